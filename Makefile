@@ -1,0 +1,50 @@
+# sphereml — one entry point for set-up, tests, the book and benchmarks.
+#   make test   create the environment if missing, then run the whole test suite (notebooks included)
+#   make book   create the environment if missing, execute every chapter (profile auto) and build _build/html
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+TORCH_VERSION ?= 2.13.0
+# Where a machine without an NVIDIA GPU gets the CPU build of torch (PyPI's Linux wheels are CUDA builds).
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
+STAMP := $(VENV)/.sphereml-installed
+JB_FLAGS := -W -n --keep-going
+PYTEST_ARGS ?=
+
+.PHONY: setup test book book-smoke bench sync clean
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	@if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
+	  echo "NVIDIA GPU found: installing CUDA torch $(TORCH_VERSION)"; \
+	  $(BIN)/pip install "torch==$(TORCH_VERSION)"; \
+	else \
+	  echo "no NVIDIA GPU: installing CPU torch $(TORCH_VERSION)"; \
+	  $(BIN)/pip install "torch==$(TORCH_VERSION)" --extra-index-url $(TORCH_CPU_INDEX); \
+	fi
+	$(BIN)/pip install -e ".[book,test]"
+	@touch $@
+
+test: $(STAMP)
+	SPHEREML_NO_DOWNLOAD=1 $(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# Executes every chapter in profile auto (cpu without a GPU) through the execution cache.
+book: $(STAMP)
+	$(BIN)/jupyter-book build . $(JB_FLAGS)
+	@echo "open _build/html/index.html"
+
+# Smoke build (CI): reuses the notebooks that `make test` executed (seeded into this cache).
+book-smoke: $(STAMP)
+	SPHEREML_PROFILE=smoke $(BIN)/jupyter-book build . --path-output _build/smoke $(JB_FLAGS)
+
+bench: $(STAMP)
+	$(BIN)/python -m benchmarks
+
+# Regenerate the paired .ipynb from the MyST sources after editing notebooks/*.md.
+sync: $(STAMP)
+	$(BIN)/jupytext --sync notebooks/*.md
+
+clean:
+	rm -rf _build

@@ -1,0 +1,33 @@
+"""One training step of the book's ConvNet on Fashion-MNIST-sized batches, against nn.Linear on the same batch.
+
+This is the unit every chapter's run time is made of; book/reproducing.md quotes it.
+"""
+
+import torch
+import torch.nn.functional as F
+
+from sphereml.models import Classifier, ConvNet
+
+from .harness import compare
+
+
+def run(device: torch.device) -> dict:
+    x = torch.rand(128, 1, 28, 28, device=device)
+    y = torch.randint(0, 10, (128,), device=device)
+    results = {}
+    for widths in [(16, 32), (32, 64)]:
+        model = Classifier(ConvNet(1, 64, widths=widths, act_layer="prelu"), 10).to(device)
+        linear = torch.nn.Linear(28 * 28, 10).to(device)
+        opt = torch.optim.Adam(list(model.parameters()) + list(linear.parameters()), 1e-3)
+
+        def step(net):
+            opt.zero_grad(set_to_none=True)
+            F.cross_entropy(net(x), y).backward()
+            opt.step()
+
+        results[widths] = compare(
+            f"train_step_convnet_{widths[0]}x{widths[1]}",
+            {"ConvNet step": lambda: step(model), "linear softmax step": lambda: step(lambda z: linear(z.flatten(1)))},
+            baseline="linear softmax step", device=device, extra={"batch": 128, "widths": list(widths)},
+        )
+    return results

@@ -1,0 +1,298 @@
+"""Chapter plumbing: profiles, per-chapter outputs, and the papermill runner.
+
+Profiles (book/reproducing.md):
+
+* ``smoke`` — seconds; exercises every code path (tests and CI);
+* ``cpu``   — minutes on two cores, real data; what the rendered book shows;
+* ``gpu``   — the seed's own scale where feasible.
+
+``auto`` resolves to ``$SPHEREML_PROFILE`` when set, else ``gpu`` when CUDA is
+available, else ``cpu``.
+
+Command line::
+
+    python -m sphereml.book list
+    python -m sphereml.book run 01_hypersphere -p profile smoke [-p epochs 3] [--output DIR]
+
+``run`` executes ``notebooks/NAME.ipynb`` through papermill into DIR (default
+``_build/runs/NAME``), which then holds the executed notebook, the figures and
+``metrics.json``; it exits non-zero when the chapter fails.  Parameter names are
+checked against the chapter's ``parameters`` cell and values are converted to the
+type of their default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+__all__ = [
+    "PROFILES", "resolve_profile", "repo_root", "resolve_output_dir", "Chapter",
+    "chapter_parameters", "run_chapter", "cache_executed_notebook", "write_json", "main",
+]
+
+PROFILES = ("smoke", "cpu", "gpu")
+
+
+def resolve_profile(profile: str = "auto") -> str:
+    """Map ``auto`` to ``$SPHEREML_PROFILE``, else ``gpu`` with CUDA, else ``cpu``; validate the name."""
+    if profile == "auto":
+        profile = os.environ.get("SPHEREML_PROFILE") or ("gpu" if torch.cuda.is_available() else "cpu")
+    if profile not in PROFILES:
+        raise ValueError(f"profile must be 'auto' or one of {PROFILES}, got {profile!r}")
+    return profile
+
+
+def repo_root(start: str | os.PathLike | None = None) -> Path | None:
+    """The nearest folder at or above ``start`` (default: cwd) that holds ``_toc.yml``."""
+    here = Path(start or Path.cwd()).resolve()
+    for folder in (here, *here.parents):
+        if (folder / "_toc.yml").is_file():
+            return folder
+    return None
+
+
+def resolve_output_dir(chapter: str, output_dir: str | os.PathLike = "") -> Path:
+    """Where a chapter writes figures and metrics: ``output_dir`` if given, else ``$SPHEREML_OUTPUT``,
+    else ``<repo>/_build/runs/<chapter>`` (``./_build/runs/<chapter>`` outside the repository)."""
+    if output_dir:
+        return Path(output_dir)
+    if os.environ.get("SPHEREML_OUTPUT"):
+        return Path(os.environ["SPHEREML_OUTPUT"])
+    return (repo_root() or Path.cwd()) / "_build" / "runs" / chapter
+
+
+def write_json(obj, path: str | os.PathLike) -> Path:
+    """Write ``obj`` as indented JSON atomically (temporary file, then rename)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(obj, f, indent=2, sort_keys=True, default=_jsonable)
+        os.replace(tmp, path)
+    finally:
+        Path(tmp).unlink(missing_ok=True)
+    return path
+
+
+def _jsonable(x):
+    if isinstance(x, torch.Tensor):
+        return x.tolist()
+    if hasattr(x, "item"):
+        return x.item()
+    if isinstance(x, Path):
+        return str(x)
+    raise TypeError(f"cannot write {type(x).__name__} as JSON")
+
+
+class Chapter:
+    """One chapter's run: resolved profile and device, seeding, figure and metrics output.
+
+    Args:
+        name (str): the notebook stem, e.g. ``"01_hypersphere"``.
+        profile (str): ``auto``, ``smoke``, ``cpu`` or ``gpu``.
+        device (str): ``auto``, ``cpu`` or ``cuda``.
+        seed (int): seeds Python, NumPy and torch.
+        output_dir (str): see :func:`resolve_output_dir`.
+        params (dict, optional): the parameters cell, snapshotted into ``metrics.json``.
+    """
+
+    def __init__(self, name: str, profile: str = "auto", device: str = "auto", seed: int = 0,
+                 output_dir: str = "", params: dict | None = None):
+        from . import viz
+        from .train import resolve_device, seed_everything
+
+        self.name = name
+        self.profile = resolve_profile(profile)
+        self.device = resolve_device(device)
+        self.seed = seed
+        seed_everything(seed)
+        self.output_dir = resolve_output_dir(name, output_dir)
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        self.metrics: dict = {
+            "chapter": name, "profile": self.profile, "device": str(self.device),
+            "device_name": torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu",
+            "torch": torch.__version__, "params": dict(params or {}), "threads": torch.get_num_threads(),
+        }
+        self.figures: list[str] = []
+        viz.set_style()
+        self.write()
+
+    def pick(self, **by_profile):
+        """The value for the active profile, e.g. ``ch.pick(smoke=1, cpu=8, gpu=50)``."""
+        missing = [p for p in PROFILES if p not in by_profile]
+        if missing:
+            raise ValueError(f"pick() needs a value for every profile; missing {missing}")
+        return by_profile[self.profile]
+
+    def savefig(self, fig, name: str, show: bool = True) -> None:
+        """Save ``fig`` as ``<output_dir>/<name>.png``, list it in the metrics, and show it."""
+        from .viz import save_and_show
+
+        path = save_and_show(fig, self.output_dir / f"{name}.png", show=show)
+        self.figures.append(path.name)
+        self.metrics["figures"] = sorted(set(self.figures))
+        self.write()
+
+    def record(self, **values) -> None:
+        """Add results to the metrics and rewrite ``metrics.json``."""
+        self.metrics.update(values)
+        self.write()
+
+    def write(self) -> Path:
+        return write_json(self.metrics, self.output_dir / "metrics.json")
+
+
+# ------------------------------------------------------------------------------ runner
+def _notebooks_dir(notebooks_dir=None) -> Path:
+    if notebooks_dir is not None:
+        return Path(notebooks_dir)
+    root = repo_root()
+    if root is None:
+        raise FileNotFoundError("not inside the sphereml repository (no _toc.yml found); pass notebooks_dir")
+    return root / "notebooks"
+
+
+def chapter_parameters(notebook: str | os.PathLike) -> dict:
+    """The names and default values of a notebook's ``parameters`` cell."""
+    import papermill
+
+    info = papermill.inspect_notebook(str(notebook))
+    return {name: ast.literal_eval(p["default"]) for name, p in info.items()}
+
+
+def _convert(name: str, value, default):
+    """Convert a command-line string to the type of the parameter's default (nanoGPT's configurator check)."""
+    if not isinstance(value, str) or isinstance(default, str):
+        target = value
+    else:
+        try:
+            target = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            target = value
+    if isinstance(default, bool) or isinstance(target, bool):
+        ok = isinstance(target, bool) and isinstance(default, bool)
+    elif isinstance(default, float):
+        ok = isinstance(target, (int, float))
+        target = float(target) if ok else target
+    else:
+        ok = isinstance(target, type(default))
+    if not ok:
+        raise ValueError(
+            f"parameter {name!r} must be {type(default).__name__} (default {default!r}), got {value!r}"
+        )
+    return target
+
+
+def run_chapter(name: str, parameters: dict | None = None, output_dir=None, notebooks_dir=None,
+                kernel_name: str | None = None) -> Path:
+    """Execute chapter ``name`` through papermill; return the executed notebook's path.
+
+    Figures and ``metrics.json`` go to ``output_dir`` (default ``_build/runs/<name>``),
+    passed to the notebook as its ``output_dir`` parameter.  With no parameters the
+    notebook runs unchanged (no injected cell), which lets the book's execution cache
+    reuse the result (see :func:`cache_executed_notebook`).
+
+    Raises:
+        FileNotFoundError: no such chapter.
+        ValueError: an unknown parameter name or a value of the wrong type.
+        papermill.PapermillExecutionError: a cell failed.
+    """
+    import papermill
+
+    source = _notebooks_dir(notebooks_dir) / f"{name}.ipynb"
+    if not source.is_file():
+        known = sorted(p.stem for p in source.parent.glob("*.ipynb"))
+        raise FileNotFoundError(f"no chapter {name!r} in {source.parent}; chapters: {known}")
+    defaults = chapter_parameters(source)
+    params = {}
+    for key, value in (parameters or {}).items():
+        if key not in defaults:
+            raise ValueError(f"unknown parameter {key!r} for {name}; its parameters are {sorted(defaults)}")
+        params[key] = _convert(key, value, defaults[key])
+    out = Path(output_dir) if output_dir else (repo_root(source) or Path.cwd()) / "_build" / "runs" / name
+    out.mkdir(parents=True, exist_ok=True)
+    if params and "output_dir" in defaults:
+        params.setdefault("output_dir", str(out.resolve()))
+    executed = out / f"{name}.ipynb"
+    env_before = os.environ.get("SPHEREML_OUTPUT")
+    os.environ["SPHEREML_OUTPUT"] = str(out.resolve())  # used when no parameter is injected
+    try:
+        papermill.execute_notebook(
+            str(source), str(executed), parameters=params, cwd=str(source.parent),
+            kernel_name=kernel_name, progress_bar=False, log_output=False,
+        )
+    finally:
+        if env_before is None:
+            os.environ.pop("SPHEREML_OUTPUT", None)
+        else:
+            os.environ["SPHEREML_OUTPUT"] = env_before
+    return executed
+
+
+def cache_executed_notebook(source: str | os.PathLike, executed: str | os.PathLike, cache_dir) -> str:
+    """Store the outputs of ``executed`` in the jupyter-cache at ``cache_dir`` under ``source``'s hash.
+
+    Jupyter Book (``execute_notebooks: cache``) then reuses them instead of executing
+    the chapter again.  The cache key is the code of ``source``; the outputs are copied
+    onto ``source`` cell by cell so no papermill metadata changes the key.  Only
+    valid when the notebook ran without injected parameters.
+    """
+    import nbformat
+    from jupyter_cache import get_cache
+    from jupyter_cache.base import CacheBundleIn
+
+    nb = nbformat.read(str(source), as_version=4)
+    run = nbformat.read(str(executed), as_version=4)
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    run_code = [c for c in run.cells if c.cell_type == "code"]
+    if [c.source for c in code] != [c.source for c in run_code]:
+        raise ValueError(f"{executed} is not an unparameterised run of {source}")
+    for cell, done in zip(code, run_code):
+        cell.outputs, cell.execution_count = done.outputs, done.execution_count
+    record = get_cache(str(cache_dir)).cache_notebook_bundle(
+        CacheBundleIn(nb, str(Path(source).resolve())), check_validity=False, overwrite=True
+    )
+    return record.hashkey
+
+
+def _parse_args(argv):
+    parser = argparse.ArgumentParser(prog="python -m sphereml.book", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("list", help="list the chapters and their parameters")
+    run = sub.add_parser("run", help="execute one chapter through papermill")
+    run.add_argument("name", help="notebook stem, e.g. 01_hypersphere")
+    run.add_argument("-p", "--parameter", nargs=2, action="append", default=[], metavar=("KEY", "VALUE"))
+    run.add_argument("--output", default=None, help="output folder (default _build/runs/NAME)")
+    run.add_argument("--notebooks", default=None, help="folder of the notebooks (default <repo>/notebooks)")
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = _parse_args(argv)
+    if args.command == "list":
+        for nb in sorted(_notebooks_dir().glob("*.ipynb")):
+            print(f"{nb.stem}: {chapter_parameters(nb)}")
+        return 0
+    try:
+        executed = run_chapter(args.name, dict(args.parameter), args.output, args.notebooks)
+    except (FileNotFoundError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    except Exception as err:  # papermill's execution error carries the failing cell
+        print(f"chapter {args.name} failed: {err}", file=sys.stderr)
+        return 1
+    print(f"executed notebook, figures and metrics.json in {executed.parent}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

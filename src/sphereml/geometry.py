@@ -1,0 +1,126 @@
+"""Geometry on the unit hypersphere S^{d-1}.
+
+Thesis Ch. 1 (eq. 1.1) motivates measuring similarity by angle rather than by
+Euclidean distance or inner product; every later chapter uses the helpers here.
+
+Note [no arccos at |cos| = 1]
+    d/dc arccos(c) = -1/sqrt(1 - c^2) is infinite at c = +-1, which is exactly
+    where a feature and a classifier weight agree (or oppose) perfectly.  We
+    therefore never call ``torch.arccos`` on an unclamped cosine:
+    :func:`safe_angle` clamps to [-1 + eps, 1 - eps] first, so the gradient is
+    bounded by 1/sqrt(2 eps - eps^2) inside the interval and is zero outside it.
+    Norms get an ``eps`` floor so that zero vectors give finite values and
+    gradients.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+__all__ = ["normalize", "cosine_matrix", "safe_angle", "angle_matrix", "sample_sphere"]
+
+
+def _check_eps(eps: float) -> None:
+    if not eps > 0:
+        raise ValueError(f"eps must be > 0, got {eps}")
+
+
+def normalize(x: Tensor, dim: int = -1, eps: float = 1e-12) -> Tensor:
+    """Project ``x`` onto the unit sphere along ``dim``: x / max(||x||, eps).
+
+    Args:
+        x (Tensor[..., d, ...]): vectors to normalise.
+        dim (int): the dimension that holds the vector coordinates. Default: -1.
+        eps (float): floor on the norm, so a zero vector maps to zero with a
+            finite gradient. Default: 1e-12.
+
+    Returns:
+        Tensor of the same shape, unit norm along ``dim`` (zero vectors stay zero).
+    """
+    _check_eps(eps)
+    norm = torch.linalg.vector_norm(x, dim=dim, keepdim=True)
+    return x / norm.clamp_min(eps)
+
+
+def cosine_matrix(a: Tensor, b: Tensor | None = None, eps: float = 1e-12) -> Tensor:
+    """Pairwise cosines cos(theta_ij) = a_i . b_j / (||a_i|| ||b_j||) (thesis Sec. 1.1, d_C).
+
+    Args:
+        a (Tensor[N, d]): first set of vectors.
+        b (Tensor[M, d], optional): second set; ``a`` itself when omitted.
+        eps (float): norm floor, see :func:`normalize`. Default: 1e-12.
+
+    Returns:
+        Tensor[N, M] with entries in [-1, 1] (0 for any zero vector).
+    """
+    if a.dim() != 2:
+        raise ValueError(f"a must be Tensor[N, d], got shape {tuple(a.shape)}")
+    if b is None:
+        b = a
+    if b.dim() != 2 or b.shape[1] != a.shape[1]:
+        raise ValueError(f"b must be Tensor[M, {a.shape[1]}], got shape {tuple(b.shape)}")
+    return (normalize(a, eps=eps) @ normalize(b, eps=eps).T).clamp(-1.0, 1.0)  # (N, M)
+
+
+def safe_angle(cos: Tensor, eps: float = 1e-7) -> Tensor:
+    """theta = arccos(cos) with a finite gradient everywhere (Note [no arccos at |cos| = 1]).
+
+    Args:
+        cos (Tensor): cosines, any shape; values outside [-1, 1] are clamped.
+        eps (float): distance kept from +-1 before arccos. Default: 1e-7, which
+            bounds |d theta / d cos| by about 2.2e3 (float32 resolves it).
+
+    Returns:
+        Tensor of angles in [0, pi], same shape as ``cos``; off by at most
+        sqrt(2 eps) radians at the poles.
+    """
+    _check_eps(eps)
+    if eps >= 1:
+        raise ValueError(f"eps must be in (0, 1), got {eps}")
+    return torch.arccos(cos.clamp(-1.0 + eps, 1.0 - eps))
+
+
+def angle_matrix(a: Tensor, b: Tensor | None = None, eps: float = 1e-7) -> Tensor:
+    """Pairwise angles theta_ij in [0, pi] between rows of ``a`` and ``b``.
+
+    Args:
+        a (Tensor[N, d]), b (Tensor[M, d], optional): as in :func:`cosine_matrix`.
+        eps (float): see :func:`safe_angle`.
+
+    Returns:
+        Tensor[N, M].
+    """
+    return safe_angle(cosine_matrix(a, b), eps=eps)
+
+
+def sample_sphere(
+    n: int,
+    d: int,
+    *,
+    generator: torch.Generator | None = None,
+    dtype: torch.dtype | None = None,
+    device: torch.device | str | None = None,
+) -> Tensor:
+    """Draw ``n`` points uniformly from S^{d-1} (normalised standard Gaussians).
+
+    The Gaussian is rotation invariant, so its direction is uniform on the sphere.
+
+    Args:
+        n (int): number of points, >= 0.
+        d (int): ambient dimension, >= 1.
+        generator (torch.Generator, optional): source of randomness.
+
+    Returns:
+        Tensor[n, d] of unit rows.
+    """
+    if not isinstance(n, int) or n < 0:
+        raise ValueError(f"n must be an integer >= 0, got {n!r}")
+    if not isinstance(d, int) or d < 1:
+        raise ValueError(f"d must be an integer >= 1, got {d!r}")
+    z = torch.randn(n, d, generator=generator, dtype=dtype, device=device)  # (n, d)
+    # A Gaussian draw of exactly zero has probability zero; redraw it anyway.
+    while n and bool((torch.linalg.vector_norm(z, dim=1) == 0).any()):
+        bad = torch.linalg.vector_norm(z, dim=1) == 0
+        z[bad] = torch.randn(int(bad.sum()), d, generator=generator, dtype=z.dtype, device=z.device)
+    return normalize(z)

@@ -1,0 +1,157 @@
+"""Metrics the chapters report: accuracy, angular hardness, ranking statistics, angle-vs-norm probes.
+
+All functions take CPU or GPU tensors and return Python floats or tensors; none of
+them needs gradients.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .geometry import cosine_matrix, normalize, safe_angle
+
+__all__ = [
+    "accuracy", "true_class_confidence", "angular_visual_hardness", "roc_auc", "spearman",
+    "class_directions", "angle_only_accuracy", "histogram_bayes_classifier", "histogram_bayes_accuracy",
+    "norm_only_accuracy", "polar_angle", "polar_angle_accuracy",
+]
+
+
+def _check_labels(labels: Tensor, n: int, num_classes: int | None = None) -> None:
+    if labels.dim() != 1 or len(labels) != n:
+        raise ValueError(f"labels must be Tensor[{n}], got shape {tuple(labels.shape)}")
+    if labels.dtype != torch.int64:
+        raise ValueError(f"labels must be int64, got {labels.dtype}")
+    if num_classes is not None and n and (labels.min() < 0 or labels.max() >= num_classes):
+        raise ValueError(f"labels must lie in [0, {num_classes - 1}]")
+
+
+def accuracy(logits: Tensor, labels: Tensor) -> float:
+    """Fraction of rows of ``logits`` (Tensor[N, C]) whose arg-max equals ``labels``."""
+    _check_labels(labels, logits.shape[0], logits.shape[1])
+    return float((logits.argmax(1) == labels).float().mean())
+
+
+def true_class_confidence(logits: Tensor, labels: Tensor) -> Tensor:
+    """Softmax probability of the true class, exp(z_y) / sum_j exp(z_j) (thesis Fig. 1.2, middle)."""
+    _check_labels(labels, logits.shape[0], logits.shape[1])
+    return logits.softmax(1).gather(1, labels[:, None]).squeeze(1)  # (N,)
+
+
+def angular_visual_hardness(features: Tensor, weight: Tensor, labels: Tensor) -> Tensor:
+    """AVH(x) = theta(x, W_y) / sum_i theta(x, W_i) (Chen et al.; thesis Sec. 1.1, Fig. 1.2).
+
+    Args:
+        features (Tensor[N, d]): deep features x.
+        weight (Tensor[C, d]): classifier weights W (bias ignored).
+        labels (Tensor[N]): true classes y.
+
+    Returns:
+        Tensor[N] in [0, 1]; smaller means easier. Invariant to positive scaling of
+        x and of each W_i, unlike the softmax confidence.
+    """
+    _check_labels(labels, features.shape[0], weight.shape[0])
+    theta = safe_angle(cosine_matrix(features, weight))  # (N, C)
+    return theta.gather(1, labels[:, None]).squeeze(1) / theta.sum(1).clamp_min(1e-12)
+
+
+def roc_auc(scores: Tensor, positive: Tensor) -> float:
+    """Area under the ROC curve of ``scores`` for the boolean targets ``positive``.
+
+    Equals the probability that a random positive scores above a random negative
+    (ties count one half), computed from mid-ranks (Mann-Whitney U).
+    """
+    positive = positive.bool()
+    n_pos, n_neg = int(positive.sum()), int((~positive).sum())
+    if n_pos == 0 or n_neg == 0:
+        raise ValueError("roc_auc needs at least one positive and one negative example")
+    ranks = _midranks(scores.double())
+    u = ranks[positive].sum() - n_pos * (n_pos + 1) / 2
+    return float(u / (n_pos * n_neg))
+
+
+def _midranks(x: Tensor) -> Tensor:
+    """Ranks 1..n, ties sharing their average rank."""
+    order = torch.argsort(x)
+    sorted_x = x[order]
+    ranks = torch.empty_like(x)
+    ranks[order] = torch.arange(1, len(x) + 1, dtype=x.dtype)
+    _, inverse, counts = torch.unique_consecutive(sorted_x, return_inverse=True, return_counts=True)
+    # average rank of each tie group, scattered back through the sort order
+    ends = counts.cumsum(0).to(x.dtype)
+    mean_rank = ends - (counts.to(x.dtype) - 1) / 2
+    ranks[order] = mean_rank[inverse]
+    return ranks
+
+
+def spearman(a: Tensor, b: Tensor) -> float:
+    """Spearman rank correlation of two 1-D tensors (Pearson correlation of their mid-ranks)."""
+    if a.shape != b.shape or a.dim() != 1 or len(a) < 2:
+        raise ValueError(f"need two 1-D tensors of equal length >= 2, got {tuple(a.shape)} and {tuple(b.shape)}")
+    ra, rb = _midranks(a.double()), _midranks(b.double())
+    ra, rb = ra - ra.mean(), rb - rb.mean()
+    return float((ra * rb).sum() / (ra.norm() * rb.norm()).clamp_min(1e-300))
+
+
+def class_directions(features: Tensor, labels: Tensor, num_classes: int) -> Tensor:
+    """Unit mean direction of each class's normalised features: Tensor[C, d]."""
+    _check_labels(labels, features.shape[0], num_classes)
+    sums = torch.zeros(num_classes, features.shape[1], dtype=features.dtype, device=features.device)
+    sums.index_add_(0, labels, normalize(features))
+    return normalize(sums)
+
+
+def angle_only_accuracy(train_features, train_labels, test_features, test_labels, num_classes: int) -> float:
+    """Accuracy of the nearest class direction (largest cosine): uses angles, ignores norms."""
+    directions = class_directions(train_features, train_labels, num_classes)  # (C, d)
+    _check_labels(test_labels, test_features.shape[0], num_classes)
+    return float(((normalize(test_features) @ directions.T).argmax(1) == test_labels).float().mean())
+
+
+def histogram_bayes_classifier(train_values: Tensor, train_labels: Tensor, num_classes: int, bins: int = 50):
+    """Fit the Bayes rule of per-class histograms of one scalar per example; return ``predict(values)``.
+
+    ``bins`` quantile bins of the training values; each bin predicts its most frequent
+    training class. Up to binning, this is the best a classifier that sees only that
+    scalar can do: the probe behind :func:`norm_only_accuracy` and :func:`polar_angle_accuracy`.
+    """
+    _check_labels(train_labels, train_values.shape[0], num_classes)
+    if bins < 1:
+        raise ValueError(f"bins must be >= 1, got {bins}")
+    train_values = train_values.double()
+    edges = torch.quantile(train_values, torch.linspace(0, 1, bins + 1, dtype=torch.double)[1:-1])
+    counts = torch.zeros(bins, num_classes, dtype=torch.double)
+    counts.index_put_((torch.bucketize(train_values, edges), train_labels), torch.ones_like(train_values),
+                      accumulate=True)
+    best_class = counts.argmax(1)  # (bins,)
+    return lambda values: best_class[torch.bucketize(values.double(), edges)]
+
+
+def histogram_bayes_accuracy(train_values: Tensor, train_labels: Tensor, test_values: Tensor,
+                             test_labels: Tensor, num_classes: int, bins: int = 50) -> float:
+    """Test accuracy of :func:`histogram_bayes_classifier` fitted on the training values."""
+    _check_labels(test_labels, test_values.shape[0], num_classes)
+    predict = histogram_bayes_classifier(train_values, train_labels, num_classes, bins)
+    return float((predict(test_values) == test_labels).float().mean())
+
+
+def polar_angle(features: Tensor) -> Tensor:
+    """Polar angle atan2(x_2, x_1) in (-pi, pi] of 2-D features Tensor[N, 2]."""
+    if features.dim() != 2 or features.shape[1] != 2:
+        raise ValueError(f"polar angles need Tensor[N, 2] features, got {tuple(features.shape)}")
+    return torch.atan2(features[:, 1], features[:, 0])
+
+
+def norm_only_accuracy(train_features, train_labels, test_features, test_labels, num_classes: int,
+                       bins: int = 50) -> float:
+    """Best accuracy from ||x|| alone: :func:`histogram_bayes_accuracy` of the feature norms."""
+    return histogram_bayes_accuracy(train_features.norm(dim=1), train_labels, test_features.norm(dim=1),
+                                    test_labels, num_classes, bins)
+
+
+def polar_angle_accuracy(train_features, train_labels, test_features, test_labels, num_classes: int,
+                         bins: int = 50) -> float:
+    """Best accuracy from the polar angle of 2-D features alone (the norm's counterpart)."""
+    return histogram_bayes_accuracy(polar_angle(train_features), train_labels, polar_angle(test_features),
+                                    test_labels, num_classes, bins)

@@ -1,0 +1,300 @@
+"""Training and evaluation: ``fit`` / ``evaluate`` with seeding, device choice, history and checkpoints.
+
+Design (nanoGPT's ``train.py`` in spirit, short and explicit):
+
+* **Repeatable.** ``fit`` seeds torch's generator at the start and draws each epoch's
+  data order from a generator seeded by ``(seed, epoch)``; two CPU runs with the
+  same arguments give bit-identical weights.
+* **Resumable.** With ``checkpoint=path`` the model, optimiser, scheduler, history,
+  epoch and RNG state are written atomically after every epoch; starting the same
+  run again continues from the last finished epoch and ends where an uninterrupted
+  run would have ended.
+* **Hookable.** ``regularizer(model) -> Tensor`` is added to every step's loss (MHE,
+  orthogonality, ...), and ``callbacks`` run after every optimiser step (margin
+  schedules, logging).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable, Iterator
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils.data import DataLoader, Dataset, TensorDataset
+
+__all__ = [
+    "seed_everything", "resolve_device", "fit", "evaluate", "collect_outputs",
+    "History", "StepState", "default_loss",
+]
+
+DEVICES = ("auto", "cpu", "cuda")
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python's, NumPy's and torch's (CPU and CUDA) generators."""
+    if not isinstance(seed, int) or seed < 0:
+        raise ValueError(f"seed must be an integer >= 0, got {seed!r}")
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def resolve_device(device: str | torch.device = "auto") -> torch.device:
+    """``"auto"`` -> CUDA when available, else CPU; ``"cuda"`` without CUDA raises RuntimeError."""
+    if isinstance(device, torch.device):
+        device = str(device)
+    if not isinstance(device, str) or device.split(":")[0] not in DEVICES:
+        raise ValueError(f"device must be one of {DEVICES} (or 'cuda:N'), got {device!r}")
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise RuntimeError(
+            f"device={device!r} was requested but CUDA is not available "
+            f"(torch {torch.__version__}, built with CUDA {torch.version.cuda}); use device='cpu' or 'auto'"
+        )
+    return torch.device(device)
+
+
+@dataclass
+class History:
+    """Per-epoch records (``epochs``: list of dicts) and per-step training losses (``steps``)."""
+
+    epochs: list[dict] = field(default_factory=list)
+    steps: list[float] = field(default_factory=list)
+
+    def __getitem__(self, key: str) -> list:
+        """Column ``key`` over epochs, e.g. ``history["val_acc"]``."""
+        return [e.get(key) for e in self.epochs]
+
+    def to_dict(self) -> dict:
+        return {"epochs": self.epochs, "steps": self.steps}
+
+
+@dataclass
+class StepState:
+    """What a per-step callback sees after each optimiser step."""
+
+    step: int
+    epoch: int
+    loss: float
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+
+
+LossFn = Callable[[nn.Module, Tensor, Tensor], "tuple[Tensor, Tensor | None]"]
+
+
+def default_loss(model: nn.Module, x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
+    """Softmax cross-entropy of ``model(x)``; returns (loss, logits)."""
+    logits = model(x)
+    return F.cross_entropy(logits, y), logits
+
+
+def _batches(data: Dataset, batch_size: int, shuffle: bool, generator: torch.Generator | None) -> Iterator:
+    if isinstance(data, TensorDataset):  # fast path: index the tensors directly
+        n = len(data)
+        order = torch.randperm(n, generator=generator) if shuffle else torch.arange(n)
+        for start in range(0, n, batch_size):
+            idx = order[start:start + batch_size]
+            yield tuple(t[idx] for t in data.tensors)
+    else:
+        yield from DataLoader(data, batch_size=batch_size, shuffle=shuffle, generator=generator)
+
+
+def _make_optimizer(optimizer, params, lr: float, weight_decay: float, momentum: float):
+    if callable(optimizer):
+        return optimizer(params)
+    if optimizer == "sgd":
+        return torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay)
+    if optimizer == "adam":
+        return torch.optim.Adam(params, lr=lr, weight_decay=weight_decay)
+    raise ValueError(f"optimizer must be 'sgd', 'adam' or a callable, got {optimizer!r}")
+
+
+def _atomic_save(obj, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        torch.save(obj, tmp)
+        os.replace(tmp, path)
+    finally:
+        Path(tmp).unlink(missing_ok=True)
+
+
+def _fingerprint(model: nn.Module, config: dict) -> str:
+    shapes = [(k, tuple(v.shape)) for k, v in model.state_dict().items()]
+    return json.dumps({"model": type(model).__name__, "shapes": shapes, **config}, sort_keys=True, default=str)
+
+
+def _to_device(batch, device):
+    return tuple(t.to(device, non_blocking=True) for t in batch)
+
+
+def fit(
+    model: nn.Module,
+    train_data: Dataset,
+    *,
+    epochs: int,
+    batch_size: int = 128,
+    lr: float = 1e-3,
+    optimizer: str | Callable = "adam",
+    weight_decay: float = 0.0,
+    momentum: float = 0.9,
+    scheduler: Callable | None = None,
+    loss_fn: LossFn | None = None,
+    regularizer: Callable[[nn.Module], Tensor] | None = None,
+    callbacks: Iterable[Callable[[StepState], None]] = (),
+    val_data: Dataset | None = None,
+    device: str | torch.device = "auto",
+    seed: int = 0,
+    checkpoint: str | os.PathLike | None = None,
+    progress: bool = True,
+) -> History:
+    """Train ``model`` for ``epochs`` epochs and return its :class:`History`.
+
+    Args:
+        model (nn.Module): trained in place (moved to ``device``).
+        train_data (Dataset): a TensorDataset (fast path) or any map-style dataset of (x, y).
+        epochs (int): total number of epochs (a resumed run trains only the missing ones).
+        optimizer: ``"adam"``, ``"sgd"`` (with ``momentum``) or ``callable(params) -> Optimizer``.
+        scheduler (callable, optional): ``callable(optimizer) -> LRScheduler``, stepped once per epoch.
+        loss_fn (callable, optional): ``loss_fn(model, x, y) -> (loss, logits | None)``;
+            default: softmax cross-entropy of ``model(x)``.
+        regularizer (callable, optional): ``regularizer(model) -> Tensor`` added to each step's loss.
+        callbacks: functions called with a :class:`StepState` after every optimiser step.
+        val_data (Dataset, optional): evaluated after each epoch (``val_loss``, ``val_acc``).
+        device: ``"auto"``, ``"cpu"`` or ``"cuda"`` (see :func:`resolve_device`).
+        seed (int): seeds the data order and torch's generator. Default: 0.
+        checkpoint (path, optional): save after every epoch and resume from it when present.
+        progress (bool): show a tqdm progress bar (on stderr). Default: True.
+
+    Returns:
+        History with one dict per epoch: epoch, train_loss, train_acc, reg, val_loss, val_acc, seconds.
+    """
+    if not isinstance(epochs, int) or epochs < 0:
+        raise ValueError(f"epochs must be an integer >= 0, got {epochs!r}")
+    if not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
+    if lr <= 0:
+        raise ValueError(f"lr must be > 0, got {lr}")
+    dev = resolve_device(device)
+    loss_fn = loss_fn or default_loss
+    callbacks = list(callbacks)
+    model.to(dev)
+    torch.manual_seed(seed)
+    opt = _make_optimizer(optimizer, [p for p in model.parameters() if p.requires_grad], lr, weight_decay, momentum)
+    sched = scheduler(opt) if scheduler is not None else None
+    history = History()
+    start_epoch = 0
+    ckpt_path = Path(checkpoint) if checkpoint is not None else None
+    config = {"batch_size": batch_size, "lr": lr, "optimizer": getattr(optimizer, "__name__", str(optimizer)),
+              "weight_decay": weight_decay, "momentum": momentum, "seed": seed}
+    fingerprint = _fingerprint(model, config)
+    if ckpt_path is not None and ckpt_path.exists():
+        state = torch.load(ckpt_path, map_location=dev, weights_only=False)
+        if state["fingerprint"] != fingerprint:
+            raise ValueError(
+                f"checkpoint {ckpt_path} was written by a different run (model or hyperparameters differ); "
+                "delete it or choose another path"
+            )
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+        if sched is not None and state["scheduler"] is not None:
+            sched.load_state_dict(state["scheduler"])
+        history = History(**state["history"])
+        start_epoch = state["epoch"]
+        torch.set_rng_state(state["torch_rng"])
+
+    from tqdm import tqdm
+
+    bar = tqdm(range(start_epoch, epochs), disable=not progress, desc="fit", leave=False)
+    step = len(history.steps)
+    for epoch in bar:
+        model.train()
+        t0 = time.perf_counter()
+        order = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+        total_loss = total_reg = 0.0
+        correct = seen = 0
+        logits = None
+        for batch in _batches(train_data, batch_size, True, order):
+            x, y = _to_device(batch, dev)
+            loss, logits = loss_fn(model, x, y)
+            reg = regularizer(model) if regularizer is not None else None
+            objective = loss if reg is None else loss + reg
+            opt.zero_grad(set_to_none=True)
+            objective.backward()
+            opt.step()
+            step += 1
+            loss_value = float(loss.detach())
+            history.steps.append(loss_value)
+            total_loss += loss_value * len(y)
+            total_reg += float(reg.detach()) * len(y) if reg is not None else 0.0
+            if logits is not None:
+                correct += int((logits.argmax(1) == y).sum())
+            seen += len(y)
+            for cb in callbacks:
+                cb(StepState(step=step, epoch=epoch, loss=loss_value, model=model, optimizer=opt))
+        if sched is not None:
+            sched.step()
+        record = {"epoch": epoch + 1, "train_loss": total_loss / max(seen, 1),
+                  "train_acc": correct / max(seen, 1) if logits is not None else None,
+                  "reg": total_reg / max(seen, 1)}
+        if val_data is not None:
+            val = evaluate(model, val_data, batch_size=max(batch_size, 512), device=dev, loss_fn=loss_fn)
+            record.update(val_loss=val["loss"], val_acc=val["accuracy"])
+        record["seconds"] = time.perf_counter() - t0
+        history.epochs.append(record)
+        bar.set_postfix(loss=f"{record['train_loss']:.3f}")
+        if ckpt_path is not None:
+            _atomic_save({
+                "model": model.state_dict(), "optimizer": opt.state_dict(),
+                "scheduler": sched.state_dict() if sched is not None else None,
+                "history": history.to_dict(), "epoch": epoch + 1, "torch_rng": torch.get_rng_state(),
+                "fingerprint": fingerprint,
+            }, ckpt_path)
+    bar.close()
+    return history
+
+
+@torch.no_grad()
+def collect_outputs(fn: Callable[[Tensor], Tensor], data: Dataset, batch_size: int = 512,
+                    device: str | torch.device = "auto") -> tuple[Tensor, Tensor]:
+    """Apply ``fn`` (e.g. ``model.features``) to every input in order; returns (outputs, labels) on the CPU."""
+    dev = resolve_device(device)
+    outs, labels = [], []
+    for batch in _batches(data, batch_size, False, None):
+        x, y = _to_device(batch, dev)
+        outs.append(fn(x).cpu())
+        labels.append(y.cpu())
+    return torch.cat(outs), torch.cat(labels)
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, data: Dataset, *, batch_size: int = 512, device: str | torch.device = "auto",
+             loss_fn: LossFn | None = None) -> dict:
+    """Mean loss and accuracy of ``model`` on ``data`` (eval mode; the previous mode is restored)."""
+    dev = resolve_device(device)
+    loss_fn = loss_fn or default_loss
+    was_training = model.training
+    model.eval()
+    total_loss, correct, seen = 0.0, 0, 0
+    logits = None
+    for batch in _batches(data, batch_size, False, None):
+        x, y = _to_device(batch, dev)
+        loss, logits = loss_fn(model, x, y)
+        total_loss += float(loss) * len(y)
+        if logits is not None:
+            correct += int((logits.argmax(1) == y).sum())
+        seen += len(y)
+    model.train(was_training)
+    return {"loss": total_loss / max(seen, 1), "accuracy": correct / max(seen, 1) if logits is not None else None}

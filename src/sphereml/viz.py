@@ -1,0 +1,77 @@
+"""The book's plotting style and helpers: one look for every figure, saved and shown in one call."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib.pyplot as plt
+import numpy as np
+import torch
+
+__all__ = ["set_style", "save_and_show", "scatter_features", "image_grid", "CLASS_PALETTE"]
+
+CLASS_PALETTE = "tab10"
+
+
+def set_style() -> None:
+    """Seaborn's clean 'ticks' style with the book's font sizes and a fixed palette."""
+    import seaborn as sns
+
+    sns.set_theme(context="notebook", style="ticks", palette=CLASS_PALETTE, font_scale=0.95)
+    plt.rcParams.update({
+        "figure.dpi": 100, "savefig.dpi": 150, "savefig.bbox": "tight",
+        "axes.spines.top": False, "axes.spines.right": False, "figure.autolayout": False,
+    })
+
+
+def save_and_show(fig: plt.Figure, path: str | Path, show: bool = True) -> Path:
+    """Save ``fig`` to ``path`` (PNG unless the suffix says otherwise), then display and close it."""
+    path = Path(path)
+    if not path.suffix:
+        path = path.with_suffix(".png")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    if show:
+        plt.show()
+    plt.close(fig)
+    return path
+
+
+def _np(x) -> np.ndarray:
+    return x.detach().cpu().numpy() if isinstance(x, torch.Tensor) else np.asarray(x)
+
+
+def scatter_features(ax, features, labels, class_names=None, s: float = 3.0, alpha: float = 0.5, unit_circle=False):
+    """Scatter 2-D features coloured by class, with the origin marked (thesis Fig. 1.3 / 2.2 style)."""
+    f, y = _np(features), _np(labels)
+    if f.ndim != 2 or f.shape[1] != 2:
+        raise ValueError(f"features must be Tensor[N, 2], got shape {f.shape}")
+    cmap = plt.get_cmap(CLASS_PALETTE)
+    for c in np.unique(y):
+        name = class_names[c] if class_names is not None else str(c)
+        ax.scatter(*f[y == c].T, s=s, alpha=alpha, color=cmap(int(c) % 10), label=name, rasterized=True)
+    ax.axhline(0, color="0.7", lw=0.6, zorder=0)
+    ax.axvline(0, color="0.7", lw=0.6, zorder=0)
+    if unit_circle:
+        t = np.linspace(0, 2 * np.pi, 200)
+        ax.plot(np.cos(t), np.sin(t), color="0.3", lw=0.8)
+    ax.set_aspect("equal", adjustable="datalim")
+    return ax
+
+
+def image_grid(ax, images, nrow: int, pad: int = 1, vmin: float = 0.0, vmax: float = 1.0):
+    """Show images Tensor[N, 1, H, W] as one grey grid with ``nrow`` images per row."""
+    x = _np(images)
+    if x.ndim != 4 or x.shape[1] != 1:
+        raise ValueError(f"images must be Tensor[N, 1, H, W], got shape {x.shape}")
+    n, _, h, w = x.shape
+    ncol = nrow
+    nrows = int(np.ceil(n / ncol))
+    grid = np.full((nrows * (h + pad) + pad, ncol * (w + pad) + pad), vmax, dtype=np.float32)
+    for i in range(n):
+        r, c = divmod(i, ncol)
+        grid[pad + r * (h + pad): pad + r * (h + pad) + h, pad + c * (w + pad): pad + c * (w + pad) + w] = x[i, 0]
+    ax.imshow(grid, cmap="gray_r", vmin=vmin, vmax=vmax)
+    ax.set_xticks([])
+    ax.set_yticks([])
+    return ax

@@ -1,0 +1,27 @@
+import os
+import random
+
+import numpy as np
+import pytest
+import torch
+
+os.environ.setdefault("SPHEREML_NO_DOWNLOAD", "1")  # nothing downloads during tests
+
+
+@pytest.fixture(autouse=True)
+def restore_rng():
+    """Tests may seed freely; the global generators are restored afterwards."""
+    torch_state, py_state, np_state = torch.get_rng_state(), random.getstate(), np.random.get_state()
+    yield
+    torch.set_rng_state(torch_state)
+    random.setstate(py_state)
+    np.random.set_state(np_state)
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "needs_cuda" in item.keywords:
+            item.add_marker(skip)

@@ -1,0 +1,142 @@
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import nbformat
+import pytest
+import torch
+
+from sphereml import book
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_resolve_profile(monkeypatch):
+    monkeypatch.delenv("SPHEREML_PROFILE", raising=False)
+    assert book.resolve_profile("auto") == ("gpu" if torch.cuda.is_available() else "cpu")
+    monkeypatch.setenv("SPHEREML_PROFILE", "smoke")
+    assert book.resolve_profile("auto") == "smoke"
+    assert book.resolve_profile("gpu") == "gpu"  # an explicit profile beats the environment
+    with pytest.raises(ValueError, match="profile must be 'auto' or one of"):
+        book.resolve_profile("fast")
+    monkeypatch.setenv("SPHEREML_PROFILE", "turbo")
+    with pytest.raises(ValueError, match="'turbo'"):
+        book.resolve_profile("auto")
+
+
+def test_output_dir_resolution(tmp_path, monkeypatch):
+    monkeypatch.delenv("SPHEREML_OUTPUT", raising=False)
+    assert book.resolve_output_dir("ch", tmp_path / "x") == tmp_path / "x"
+    monkeypatch.chdir(REPO / "notebooks")
+    assert book.resolve_output_dir("ch") == REPO / "_build" / "runs" / "ch"
+    monkeypatch.setenv("SPHEREML_OUTPUT", str(tmp_path / "env"))
+    assert book.resolve_output_dir("ch") == tmp_path / "env"
+
+
+def test_chapter_records_metrics_and_picks_by_profile(tmp_path):
+    ch = book.Chapter("demo", profile="smoke", device="cpu", seed=3, output_dir=str(tmp_path), params={"k": 1})
+    assert ch.pick(smoke=1, cpu=2, gpu=3) == 1
+    with pytest.raises(ValueError, match="missing \\['gpu'\\]"):
+        ch.pick(smoke=1, cpu=2)
+    ch.record(answer=torch.tensor(42.0), path=Path("a"))
+    saved = json.loads((tmp_path / "metrics.json").read_text())
+    assert saved["answer"] == 42.0 and saved["profile"] == "smoke" and saved["params"] == {"k": 1}
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots()
+    ax.plot([0, 1])
+    ch.savefig(fig, "line", show=False)
+    assert (tmp_path / "line.png").stat().st_size > 0
+    assert json.loads((tmp_path / "metrics.json").read_text())["figures"] == ["line.png"]
+
+
+def test_write_json_is_atomic(tmp_path):
+    path = tmp_path / "m.json"
+    book.write_json({"a": 1}, path)
+    with pytest.raises(TypeError, match="cannot write object"):
+        book.write_json({"a": object()}, path)
+    assert json.loads(path.read_text()) == {"a": 1}  # the failed write left the old file intact
+    assert [p.name for p in tmp_path.iterdir()] == ["m.json"]
+
+
+@pytest.mark.parametrize("value, default, expected", [
+    ("3", 1, 3), ("0.5", 1.0, 0.5), ("2", 1.0, 2.0), ("True", False, True), ("cpu", "auto", "cpu"),
+    ("[1, 2]", [0], [1, 2]), (7, 1, 7),
+])
+def test_parameter_conversion(value, default, expected):
+    assert book._convert("p", value, default) == expected
+
+
+@pytest.mark.parametrize("value, default", [("abc", 1), ("1.5", 1), ("1", True), ("yes", False)])
+def test_parameter_conversion_errors(value, default):
+    with pytest.raises(ValueError, match="parameter 'p' must be"):
+        book._convert("p", value, default)
+
+
+# ----------------------------------------------------------- papermill runner on a tiny notebook
+@pytest.fixture
+def tiny_chapter(tmp_path):
+    folder = tmp_path / "notebooks"
+    folder.mkdir()
+    nb = nbformat.v4.new_notebook()
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    params = nbformat.v4.new_code_cell('profile = "auto"\nrepeats = 2\noutput_dir = ""')
+    params.metadata["tags"] = ["parameters"]
+    nb.cells = [
+        params,
+        nbformat.v4.new_code_cell(
+            "from sphereml.book import Chapter\n"
+            "ch = Chapter('tiny', profile, 'cpu', 0, output_dir)\n"
+            "assert repeats >= 0, 'negative repeats'\n"
+            "ch.record(repeats=repeats, profile_used=ch.profile)"
+        ),
+    ]
+    nbformat.write(nb, folder / "tiny.ipynb")
+    return folder
+
+
+def test_run_chapter_with_parameters(tiny_chapter, tmp_path):
+    out = tmp_path / "out"
+    executed = book.run_chapter("tiny", {"profile": "smoke", "repeats": "5"}, out, tiny_chapter)
+    assert executed == out / "tiny.ipynb" and executed.is_file()
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["repeats"] == 5 and metrics["profile_used"] == "smoke"
+
+
+def test_run_chapter_rejects_unknown_parameters_and_chapters(tiny_chapter, tmp_path):
+    with pytest.raises(ValueError, match="unknown parameter 'epochs'.*\\['output_dir', 'profile', 'repeats'\\]"):
+        book.run_chapter("tiny", {"epochs": "3"}, tmp_path, tiny_chapter)
+    with pytest.raises(ValueError, match="parameter 'repeats' must be int"):
+        book.run_chapter("tiny", {"repeats": "many"}, tmp_path, tiny_chapter)
+    with pytest.raises(FileNotFoundError, match="no chapter 'nope'.*\\['tiny'\\]"):
+        book.run_chapter("nope", {}, tmp_path, tiny_chapter)
+
+
+def test_cli_exit_codes(tiny_chapter, tmp_path):
+    def cli(*args):
+        return subprocess.run([sys.executable, "-m", "sphereml.book", "run", "tiny", "--notebooks",
+                               str(tiny_chapter), "--output", str(tmp_path / "cli"), *args],
+                              capture_output=True, text=True)
+
+    ok = cli("-p", "repeats", "4")
+    assert ok.returncode == 0, ok.stderr
+    assert json.loads((tmp_path / "cli" / "metrics.json").read_text())["repeats"] == 4
+    failing = cli("-p", "repeats", "-1")
+    assert failing.returncode == 1 and "negative repeats" in failing.stderr
+    bad = cli("-p", "colour", "red")
+    assert bad.returncode == 2 and "unknown parameter 'colour'" in bad.stderr
+
+
+def test_cache_seeding_matches_the_book_s_hash(tiny_chapter, tmp_path):
+    from jupyter_cache import get_cache
+
+    executed = book.run_chapter("tiny", {}, tmp_path / "run", tiny_chapter)
+    book.cache_executed_notebook(tiny_chapter / "tiny.ipynb", executed, tmp_path / "cache")
+    source = nbformat.read(tiny_chapter / "tiny.ipynb", as_version=4)  # what the book build reads
+    record = get_cache(str(tmp_path / "cache")).match_cache_notebook(source)
+    assert record is not None
+    with pytest.raises(ValueError, match="not an unparameterised run"):
+        parameterised = book.run_chapter("tiny", {"repeats": "3"}, tmp_path / "run2", tiny_chapter)
+        book.cache_executed_notebook(tiny_chapter / "tiny.ipynb", parameterised, tmp_path / "cache")

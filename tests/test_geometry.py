@@ -1,0 +1,100 @@
+import math
+
+import pytest
+import torch
+
+from sphereml.geometry import angle_matrix, cosine_matrix, normalize, safe_angle, sample_sphere
+
+
+def test_normalize_unit_rows_and_zero_vector():
+    x = torch.tensor([[3.0, 4.0], [0.0, 0.0], [1e-30, 0.0]])
+    y = normalize(x)
+    assert torch.allclose(y[0], torch.tensor([0.6, 0.8]))
+    assert torch.equal(y[1], torch.zeros(2))
+    assert torch.isfinite(y).all()
+
+
+def test_normalize_zero_vector_has_finite_gradient():
+    x = torch.zeros(3, 4, dtype=torch.float64, requires_grad=True)
+    normalize(x).sum().backward()
+    assert torch.isfinite(x.grad).all()
+
+
+def test_normalize_gradcheck():
+    x = torch.randn(5, 3, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(normalize, (x,))
+
+
+def test_cosine_matrix_matches_definition_and_is_scale_invariant():
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(6, 5, generator=g, dtype=torch.float64), torch.randn(4, 5, generator=g, dtype=torch.float64)
+    expected = torch.stack([torch.stack([(ai @ bj) / (ai.norm() * bj.norm()) for bj in b]) for ai in a])
+    assert torch.allclose(cosine_matrix(a, b), expected)
+    scale = torch.rand(6, 1, generator=g, dtype=torch.float64) * 10 + 0.1
+    assert torch.allclose(cosine_matrix(a * scale, b * 3.0), expected)
+    self_cos = cosine_matrix(a)
+    assert torch.allclose(self_cos.diagonal(), torch.ones(6, dtype=torch.float64))
+    assert torch.allclose(self_cos, self_cos.T)
+
+
+def test_cosine_matrix_rejects_bad_shapes():
+    with pytest.raises(ValueError, match=r"Tensor\[N, d\]"):
+        cosine_matrix(torch.randn(3))
+    with pytest.raises(ValueError, match=r"Tensor\[M, 4\]"):
+        cosine_matrix(torch.randn(3, 4), torch.randn(3, 5))
+
+
+@pytest.mark.parametrize("c", [1.0, -1.0, 1.0 + 1e-6, -1.0 - 1e-6, 0.0])
+def test_safe_angle_finite_gradient_at_poles(c):
+    cos = torch.tensor([c], dtype=torch.float64, requires_grad=True)
+    theta = safe_angle(cos)
+    theta.sum().backward()
+    assert torch.isfinite(theta).all() and torch.isfinite(cos.grad).all()
+    assert 0.0 <= float(theta.detach()) <= math.pi
+
+
+def test_safe_angle_accuracy_away_from_poles_and_near_them():
+    cos = torch.linspace(-0.999, 0.999, 101, dtype=torch.float64)
+    assert torch.allclose(safe_angle(cos), torch.arccos(cos), atol=1e-12)
+    assert abs(float(safe_angle(torch.tensor(1.0, dtype=torch.float64)))) <= math.sqrt(2e-7) * (1 + 1e-6)
+
+
+def test_angle_matrix_of_identical_and_opposite_vectors_has_finite_gradient():
+    a = torch.tensor([[1.0, 2.0], [-1.0, -2.0], [0.0, 0.0]], dtype=torch.float64, requires_grad=True)
+    theta = angle_matrix(a)
+    theta.sum().backward()
+    assert torch.isfinite(a.grad).all()
+    theta = theta.detach()
+    assert float(theta[0, 1]) == pytest.approx(math.pi, abs=1e-3)
+    assert float(theta[0, 2]) == pytest.approx(math.pi / 2)  # a zero vector is orthogonal to everything
+
+
+def test_bad_eps():
+    with pytest.raises(ValueError, match="eps must be > 0"):
+        normalize(torch.ones(2), eps=0.0)
+    with pytest.raises(ValueError, match=r"eps must be in \(0, 1\)"):
+        safe_angle(torch.ones(2), eps=1.5)
+
+
+def test_sample_sphere_unit_norm_and_uniform_moments():
+    g = torch.Generator().manual_seed(1)
+    n, d = 20000, 5
+    x = sample_sphere(n, d, generator=g, dtype=torch.float64)
+    assert x.shape == (n, d)
+    assert torch.allclose(x.norm(dim=1), torch.ones(n, dtype=torch.float64))
+    # uniform on S^{d-1}: E[x] = 0 and E[x x^T] = I/d.  Each entry of the sample mean has
+    # std 1/sqrt(n d) ~ 3.2e-3; 6 sigma bounds give a false-failure probability < 1e-8.
+    assert x.mean(0).abs().max() < 6 / math.sqrt(n * d)
+    second = x.T @ x / n
+    assert torch.allclose(second, torch.eye(d, dtype=torch.float64) / d, atol=0.01)
+
+
+def test_sample_sphere_is_reproducible_and_validates():
+    a = sample_sphere(4, 3, generator=torch.Generator().manual_seed(7))
+    b = sample_sphere(4, 3, generator=torch.Generator().manual_seed(7))
+    assert torch.equal(a, b)
+    assert sample_sphere(0, 3).shape == (0, 3)
+    with pytest.raises(ValueError, match="d must be an integer >= 1"):
+        sample_sphere(3, 0)
+    with pytest.raises(ValueError, match="n must be an integer >= 0"):
+        sample_sphere(-1, 3)

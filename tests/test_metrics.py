@@ -1,0 +1,80 @@
+import math
+
+import pytest
+import torch
+from sklearn.metrics import roc_auc_score
+from scipy.stats import spearmanr
+
+from sphereml import metrics
+
+
+def test_roc_auc_matches_sklearn_with_ties():
+    g = torch.Generator().manual_seed(0)
+    scores = torch.randint(0, 5, (300,), generator=g).double()
+    pos = torch.rand(300, generator=g) < scores / 6
+    assert metrics.roc_auc(scores, pos) == pytest.approx(roc_auc_score(pos.numpy(), scores.numpy()))
+    assert metrics.roc_auc(torch.tensor([1.0, 2.0]), torch.tensor([False, True])) == 1.0
+    with pytest.raises(ValueError, match="at least one positive"):
+        metrics.roc_auc(torch.ones(3), torch.zeros(3, dtype=torch.bool))
+
+
+def test_spearman_matches_scipy():
+    g = torch.Generator().manual_seed(1)
+    a = torch.randn(200, generator=g)
+    b = a + torch.randn(200, generator=g)
+    b[:20] = 0.0  # ties
+    assert metrics.spearman(a, b) == pytest.approx(spearmanr(a.numpy(), b.numpy()).statistic, abs=1e-10)
+    with pytest.raises(ValueError, match="equal length"):
+        metrics.spearman(a, b[:5])
+
+
+def test_avh_range_and_scale_invariance_confidence_is_not():
+    g = torch.Generator().manual_seed(2)
+    x, w = torch.randn(50, 4, generator=g), torch.randn(6, 4, generator=g)
+    y = torch.randint(0, 6, (50,), generator=g)
+    avh = metrics.angular_visual_hardness(x, w, y)
+    assert ((avh >= 0) & (avh <= 1)).all()
+    scaled = metrics.angular_visual_hardness(3.0 * x, w * torch.rand(6, 1, generator=g).add(0.1), y)
+    assert torch.allclose(avh, scaled, atol=1e-5)
+    conf = metrics.true_class_confidence(x @ w.T, y)
+    assert not torch.allclose(conf, metrics.true_class_confidence(3.0 * x @ w.T, y))
+
+
+def test_avh_value_on_a_hand_example():
+    x = torch.tensor([[1.0, 0.0]])
+    w = torch.tensor([[1.0, 1.0], [0.0, 1.0], [-1.0, 0.0]])
+    # angles: pi/4, pi/2, pi -> AVH = (pi/4) / (7 pi / 4) = 1/7
+    assert float(metrics.angular_visual_hardness(x, w, torch.tensor([0]))) == pytest.approx(1 / 7, abs=1e-4)
+
+
+def test_angle_and_norm_probes():
+    # classes differ only by angle: the angle probe is perfect, the norm probe is at chance
+    g = torch.Generator().manual_seed(3)
+    dirs = torch.tensor([[1.0, 0.0], [0.0, 1.0], [-1.0, -1.0]])
+    y = torch.randint(0, 3, (600,), generator=g)
+    r = torch.rand(600, 1, generator=g) * 5 + 0.5
+    x = dirs[y] / dirs[y].norm(dim=1, keepdim=True) * r
+    assert metrics.angle_only_accuracy(x[:300], y[:300], x[300:], y[300:], 3) == 1.0
+    assert metrics.norm_only_accuracy(x[:300], y[:300], x[300:], y[300:], 3) < 0.5
+    assert metrics.polar_angle_accuracy(x[:300], y[:300], x[300:], y[300:], 3) == 1.0
+    # classes differ only by norm: the reverse
+    x2 = torch.randn(600, 2, generator=g)
+    x2 = x2 / x2.norm(dim=1, keepdim=True) * (1.0 + 3.0 * y[:, None])
+    assert metrics.norm_only_accuracy(x2[:300], y[:300], x2[300:], y[300:], 3) > 0.95
+    assert metrics.angle_only_accuracy(x2[:300], y[:300], x2[300:], y[300:], 3) < 0.6
+    assert metrics.polar_angle_accuracy(x2[:300], y[:300], x2[300:], y[300:], 3) < 0.6
+    with pytest.raises(ValueError, match=r"need Tensor\[N, 2\]"):
+        metrics.polar_angle_accuracy(torch.randn(5, 3), y[:5], torch.randn(5, 3), y[:5], 3)
+    with pytest.raises(ValueError, match="bins must be >= 1"):
+        metrics.histogram_bayes_accuracy(r[:, 0], y, r[:, 0], y, 3, bins=0)
+
+
+def test_label_checks():
+    with pytest.raises(ValueError, match="int64"):
+        metrics.accuracy(torch.randn(3, 2), torch.tensor([0, 1, 1], dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"labels must lie in \[0, 1\]"):
+        metrics.accuracy(torch.randn(3, 2), torch.tensor([0, 1, 2]))
+    with pytest.raises(ValueError, match=r"Tensor\[3\]"):
+        metrics.accuracy(torch.randn(3, 2), torch.tensor([0, 1]))
+    assert metrics.accuracy(torch.tensor([[2.0, 1.0], [0.0, 1.0]]), torch.tensor([0, 0])) == 0.5
+    assert math.isclose(float(metrics.class_directions(torch.randn(4, 3), torch.tensor([0, 0, 1, 1]), 2).norm(dim=1)[0]), 1.0, rel_tol=1e-6)

@@ -1,0 +1,80 @@
+from functools import partial
+
+import pytest
+import torch
+from torch import nn
+
+from sphereml.models import MLP, Classifier, ConvAutoencoder, ConvNet, get_layer
+
+
+@pytest.mark.parametrize("feature_dim", [2, 3, 64])
+def test_convnet_feature_shape(feature_dim):
+    net = ConvNet(1, feature_dim, widths=(8, 16))
+    assert net(torch.randn(5, 1, 28, 28)).shape == (5, feature_dim)
+
+
+def test_feature_layer_has_no_relu_by_default_so_2d_features_leave_the_first_quadrant():
+    torch.manual_seed(0)
+    f = ConvNet(1, 2, widths=(4,))(torch.randn(64, 1, 28, 28))
+    assert (f < 0).any()
+    g = ConvNet(1, 2, widths=(4,), feature_act=True)(torch.randn(64, 1, 28, 28))
+    assert (g >= 0).all()
+
+
+def test_factories_swap_operators():
+    calls = []
+
+    class MyConv(nn.Conv2d):
+        def __init__(self, *a, **k):
+            calls.append(a[:2])
+            super().__init__(*a, **k)
+
+    net = ConvNet(3, 10, widths=(4, 8), depth=2, image_size=32, conv_layer=MyConv,
+                  act_layer="gelu", norm_layer="batchnorm", linear_layer=partial(nn.Linear, bias=False))
+    assert calls == [(3, 4), (4, 4), (4, 8), (8, 8)]
+    assert any(isinstance(m, nn.GELU) for m in net.modules())
+    assert any(isinstance(m, nn.BatchNorm2d) for m in net.modules())
+    assert net.feature.bias is None
+    assert net(torch.randn(2, 3, 32, 32)).shape == (2, 10)
+
+
+def test_bad_layer_names_and_shapes():
+    with pytest.raises(ValueError, match="unknown layer name 'spherical'"):
+        get_layer("spherical", "conv")
+    with pytest.raises(ValueError, match="layer must be a name"):
+        get_layer(3, "conv")
+    with pytest.raises(ValueError, match="divisible by"):
+        ConvNet(1, 2, widths=(4, 4, 4), image_size=28)
+
+
+def test_classifier_exposes_features_and_weight():
+    model = Classifier(MLP(64, 2, hidden=(16,)), num_classes=10)
+    x = torch.randn(7, 1, 8, 8)
+    assert model.features(x).shape == (7, 2)
+    assert model(x).shape == (7, 10)
+    assert torch.allclose(model(x), model.features(x) @ model.head.weight.T + model.head.bias)
+    assert model.head.weight.shape == (10, 2)
+
+
+def test_autoencoder_reconstructs_shape_and_range():
+    ae = ConvAutoencoder()
+    with torch.no_grad():
+        y = ae(torch.rand(3, 1, 28, 28))
+    assert y.shape == (3, 1, 28, 28) and float(y.min()) >= 0 and float(y.max()) <= 1
+
+
+def test_autoencoder_code_parts_factorise_the_inner_product():
+    torch.manual_seed(0)
+    ae = ConvAutoencoder(channels=(6, 10)).double()
+    x = torch.rand(4, 1, 28, 28, dtype=torch.float64)
+    x[0] = 0.0  # an all-zero image: cos must stay finite
+    with torch.no_grad():
+        parts = ae.code_parts(x)
+        assert torch.allclose(parts["inner"], parts["magnitude"] * parts["cos"], atol=1e-10)
+        assert torch.allclose(parts["inner"] + parts["bias"], ae.code_conv(ae.stem(x)))
+        assert torch.isfinite(parts["cos"]).all() and parts["cos"].abs().max() <= 1
+        assert torch.allclose(ae.decode(parts["inner"] + parts["bias"]), ae(x))
+        # the magnitude tensor has channel-rank 1: every channel is ||w_j|| times one map
+        for m in parts["magnitude"][1:]:
+            s = torch.linalg.svdvals(m.flatten(1))
+            assert s[1] <= 1e-10 * s[0]

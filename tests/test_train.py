@@ -1,0 +1,104 @@
+import pytest
+import torch
+from torch import nn
+
+from sphereml.data import sphere_clusters, split_dataset
+from sphereml.models import MLP, Classifier
+from sphereml.train import evaluate, fit, resolve_device, seed_everything
+
+
+def make(seed=0, dropout=True):
+    seed_everything(seed)
+    backbone = MLP(6, 4, hidden=(16,))
+    if dropout:  # exercises the torch RNG during training, which resume must restore
+        backbone.net.insert(2, nn.Dropout(0.2))
+    return Classifier(backbone, num_classes=3)
+
+
+@pytest.fixture(scope="module")
+def toy():
+    return split_dataset(sphere_clusters(3, 60, 6, concentration=3.0, seed=0), 0.25, seed=0)
+
+
+def test_fit_learns_and_records_history(toy):
+    train, val = toy
+    model = make()
+    hist = fit(model, train, epochs=15, lr=1e-2, batch_size=32, val_data=val, device="cpu", progress=False)
+    assert len(hist.epochs) == 15 and hist["epoch"] == list(range(1, 16))
+    assert hist["train_loss"][-1] < hist["train_loss"][0]
+    assert hist["val_acc"][-1] > 0.8
+    assert len(hist.steps) == 15 * 5  # 135 examples / batch 32 -> 5 steps per epoch
+    assert evaluate(model, val, device="cpu")["accuracy"] == pytest.approx(hist["val_acc"][-1])
+
+
+def test_same_seed_repeats_exactly_and_other_seed_differs(toy):
+    train, _ = toy
+    runs = []
+    for seed in (0, 0, 1):
+        model = make(seed)
+        fit(model, train, epochs=3, batch_size=16, device="cpu", seed=seed, progress=False)
+        runs.append(torch.cat([p.flatten() for p in model.parameters()]))
+    assert torch.equal(runs[0], runs[1])
+    assert not torch.equal(runs[0], runs[2])
+
+
+@pytest.mark.parametrize("optimizer", ["adam", "sgd"])
+def test_resume_continues_where_it_stopped(toy, tmp_path, optimizer):
+    train, _ = toy
+    kwargs = dict(batch_size=16, device="cpu", optimizer=optimizer, lr=0.05, progress=False,
+                  scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, 2, 0.5))
+    straight = make()
+    h_straight = fit(straight, train, epochs=5, checkpoint=tmp_path / "a.pt", **kwargs)
+
+    interrupted = make()
+    fit(interrupted, train, epochs=2, checkpoint=tmp_path / "b.pt", **kwargs)  # "killed" after 2 epochs
+    resumed = make()  # a fresh process would rebuild the model from scratch
+    h_resumed = fit(resumed, train, epochs=5, checkpoint=tmp_path / "b.pt", **kwargs)
+    for p, q in zip(straight.parameters(), resumed.parameters()):
+        assert torch.equal(p, q)
+    assert h_resumed.steps == h_straight.steps
+    assert h_resumed["train_loss"] == h_straight["train_loss"]
+
+
+def test_checkpoint_from_a_different_run_is_refused(toy, tmp_path):
+    train, _ = toy
+    fit(make(), train, epochs=1, checkpoint=tmp_path / "c.pt", device="cpu", progress=False)
+    with pytest.raises(ValueError, match="different run"):
+        fit(make(), train, epochs=2, lr=0.5, checkpoint=tmp_path / "c.pt", device="cpu", progress=False)
+
+
+def test_regularizer_and_callbacks_are_applied(toy):
+    train, _ = toy
+    seen = []
+    model = make(dropout=False)
+    strong = lambda m: 10.0 * sum((p ** 2).sum() for p in m.parameters())  # noqa: E731
+    hist = fit(model, train, epochs=3, lr=1e-2, regularizer=strong, callbacks=[lambda s: seen.append(s.step)],
+               device="cpu", progress=False)
+    assert seen == list(range(1, len(hist.steps) + 1))
+    assert all(r > 0 for r in hist["reg"])
+    plain = make(dropout=False)
+    fit(plain, train, epochs=3, lr=1e-2, device="cpu", progress=False)
+    norm = lambda m: sum(float(p.norm()) for p in m.parameters())  # noqa: E731
+    assert norm(model) < norm(plain)  # the penalty shrank the weights
+
+
+def test_device_resolution():
+    assert resolve_device("cpu") == torch.device("cpu")
+    assert resolve_device("auto").type in ("cpu", "cuda")
+    with pytest.raises(ValueError, match="device must be one of"):
+        resolve_device("tpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match="CUDA is not available"):
+            resolve_device("cuda")
+
+
+def test_bad_arguments(toy):
+    train, _ = toy
+    with pytest.raises(ValueError, match="epochs must be an integer >= 0"):
+        fit(make(), train, epochs=-1)
+    with pytest.raises(ValueError, match="batch_size must be an integer >= 1"):
+        fit(make(), train, epochs=1, batch_size=0)
+    with pytest.raises(ValueError, match="optimizer must be"):
+        fit(make(), train, epochs=1, optimizer="lbfgs", device="cpu")
+    with pytest.raises(ValueError, match="seed must be an integer"):
+        seed_everything(-3)
