@@ -20,14 +20,15 @@ def run(device: torch.device) -> dict:
         linear = torch.nn.Linear(28 * 28, 10).to(device)
         opt = torch.optim.Adam(list(model.parameters()) + list(linear.parameters()), 1e-3)
 
-        def step(net):
+        def step(net, opt=opt):
             opt.zero_grad(set_to_none=True)
             F.cross_entropy(net(x), y).backward()
             opt.step()
 
         results[widths] = compare(
             f"train_step_convnet_{widths[0]}x{widths[1]}",
-            {"ConvNet step": lambda: step(model), "linear softmax step": lambda: step(lambda z: linear(z.flatten(1)))},
+            {"ConvNet step": lambda m=model: step(m),
+             "linear softmax step": lambda lin=linear: step(lambda z: lin(z.flatten(1)))},
             baseline="linear softmax step", device=device, extra={"batch": 128, "widths": list(widths)},
         )
     return results

@@ -80,7 +80,9 @@ class ConvNet(nn.Module):
     ):
         super().__init__()
         if feature_dim < 1 or not widths or depth < 1:
-            raise ValueError(f"need feature_dim >= 1, non-empty widths and depth >= 1, got {feature_dim}, {widths}, {depth}")
+            raise ValueError(
+                f"need feature_dim >= 1, non-empty widths and depth >= 1, got {feature_dim}, {widths}, {depth}"
+            )
         if image_size % (2 ** len(widths)):
             raise ValueError(f"image_size {image_size} must be divisible by 2**len(widths) = {2 ** len(widths)}")
         conv = get_layer(conv_layer, "conv")
