@@ -9,7 +9,7 @@ TORCH_VERSION ?= 2.13.0
 # Where a machine without an NVIDIA GPU gets the CPU build of torch (PyPI's Linux wheels are CUDA builds).
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 STAMP := $(VENV)/.sphereml-installed
-JB_FLAGS := -W -n --keep-going
+JB_FLAGS := -W --keep-going
 PYTEST_ARGS ?=
 
 .PHONY: setup test book book-smoke bench sync clean

@@ -78,7 +78,7 @@ def test_regularizer_and_callbacks_are_applied(toy):
     assert all(r > 0 for r in hist["reg"])
     plain = make(dropout=False)
     fit(plain, train, epochs=3, lr=1e-2, device="cpu", progress=False)
-    norm = lambda m: sum(float(p.norm()) for p in m.parameters())  # noqa: E731
+    norm = lambda m: sum(float(p.detach().norm()) for p in m.parameters())  # noqa: E731
     assert norm(model) < norm(plain)  # the penalty shrank the weights
 
 
@@ -102,3 +102,12 @@ def test_bad_arguments(toy):
         fit(make(), train, epochs=1, optimizer="lbfgs", device="cpu")
     with pytest.raises(ValueError, match="seed must be an integer"):
         seed_everything(-3)
+
+
+@pytest.mark.needs_cuda
+def test_fit_on_cuda_matches_evaluate(toy):
+    train, val = toy
+    model = make(dropout=False)
+    hist = fit(model, train, epochs=2, device="cuda", val_data=val, progress=False)
+    assert next(model.parameters()).is_cuda
+    assert evaluate(model, val, device="cuda")["accuracy"] == pytest.approx(hist["val_acc"][-1])

@@ -3,7 +3,7 @@
 Thesis Ch. 1 (eq. 1.1) motivates measuring similarity by angle rather than by
 Euclidean distance or inner product; every later chapter uses the helpers here.
 
-Note [no arccos at |cos| = 1]
+Note [no arccos at ``|cos| = 1``]
     d/dc arccos(c) = -1/sqrt(1 - c^2) is infinite at c = +-1, which is exactly
     where a feature and a classifier weight agree (or oppose) perfectly.  We
     therefore never call ``torch.arccos`` on an unclamped cosine:
@@ -64,12 +64,12 @@ def cosine_matrix(a: Tensor, b: Tensor | None = None, eps: float = 1e-12) -> Ten
 
 
 def safe_angle(cos: Tensor, eps: float = 1e-7) -> Tensor:
-    """theta = arccos(cos) with a finite gradient everywhere (Note [no arccos at |cos| = 1]).
+    """theta = arccos(cos) with a finite gradient everywhere (Note [no arccos at ``|cos| = 1``]).
 
     Args:
         cos (Tensor): cosines, any shape; values outside [-1, 1] are clamped.
         eps (float): distance kept from +-1 before arccos. Default: 1e-7, which
-            bounds |d theta / d cos| by about 2.2e3 (float32 resolves it).
+            bounds the magnitude of d theta / d cos by about 2.2e3 (float32 resolves it).
 
     Returns:
         Tensor of angles in [0, pi], same shape as ``cos``; off by at most
