@@ -111,3 +111,16 @@ def test_fit_on_cuda_matches_evaluate(toy):
     hist = fit(model, train, epochs=2, device="cuda", val_data=val, progress=False)
     assert next(model.parameters()).is_cuda
     assert evaluate(model, val, device="cuda")["accuracy"] == pytest.approx(hist["val_acc"][-1])
+
+
+@pytest.mark.needs_cuda
+def test_resume_on_cuda(toy, tmp_path):
+    train, _ = toy
+    kwargs = dict(batch_size=16, device="cuda", progress=False)
+    straight = make()
+    fit(straight, train, epochs=3, checkpoint=tmp_path / "a.pt", **kwargs)
+    fit(make(), train, epochs=1, checkpoint=tmp_path / "b.pt", **kwargs)
+    resumed = make()
+    fit(resumed, train, epochs=3, checkpoint=tmp_path / "b.pt", **kwargs)
+    for p, q in zip(straight.parameters(), resumed.parameters()):
+        assert torch.allclose(p, q, atol=1e-6)

@@ -201,7 +201,7 @@ def fit(
               "weight_decay": weight_decay, "momentum": momentum, "seed": seed}
     fingerprint = _fingerprint(model, config)
     if ckpt_path is not None and ckpt_path.exists():
-        state = torch.load(ckpt_path, map_location=dev, weights_only=False)
+        state = torch.load(ckpt_path, map_location="cpu", weights_only=False)  # RNG states must stay on the CPU
         if state["fingerprint"] != fingerprint:
             raise ValueError(
                 f"checkpoint {ckpt_path} was written by a different run (model or hyperparameters differ); "
@@ -214,6 +214,8 @@ def fit(
         history = History(**state["history"])
         start_epoch = state["epoch"]
         torch.set_rng_state(state["torch_rng"])
+        if dev.type == "cuda" and state.get("cuda_rng") is not None:
+            torch.cuda.set_rng_state(state["cuda_rng"], dev)
 
     from tqdm import tqdm
 
@@ -260,6 +262,7 @@ def fit(
                 "model": model.state_dict(), "optimizer": opt.state_dict(),
                 "scheduler": sched.state_dict() if sched is not None else None,
                 "history": history.to_dict(), "epoch": epoch + 1, "torch_rng": torch.get_rng_state(),
+                "cuda_rng": torch.cuda.get_rng_state(dev) if dev.type == "cuda" else None,
                 "fingerprint": fingerprint,
             }, ckpt_path)
     bar.close()
