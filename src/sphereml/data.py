@@ -245,10 +245,8 @@ def load_cifar(num_classes: int = 10, split: str = "train", root=None, download:
             raise DataError(f"{filename} not found in: {looked}; pass download=True on a machine with internet")
         dest_dir = search_paths(f"cifar-{num_classes}", root)[0 if root is not None else -1]
         path = download_file(url, dest_dir / filename, checksum, algorithm)
-    elif _file_digest(path, algorithm) != checksum:
-        raise DataError(
-            f"{path} fails its checksum: {algorithm} {_file_digest(path, algorithm)}, expected {checksum}"
-        )
+    elif (found := _file_digest(path, algorithm)) != checksum:
+        raise DataError(f"{path} fails its checksum: {algorithm} {found}, expected {checksum}")
     if num_classes == 10:
         members = [f"data_batch_{i}" for i in range(1, 6)] if split == "train" else ["test_batch"]
         label_key = b"labels"

@@ -76,7 +76,6 @@ def _midranks(x: Tensor) -> Tensor:
     order = torch.argsort(x)
     sorted_x = x[order]
     ranks = torch.empty_like(x)
-    ranks[order] = torch.arange(1, len(x) + 1, dtype=x.dtype)
     _, inverse, counts = torch.unique_consecutive(sorted_x, return_inverse=True, return_counts=True)
     # average rank of each tie group, scattered back through the sort order
     ends = counts.cumsum(0).to(x.dtype)
