@@ -38,8 +38,24 @@ def median_seconds(fn: Callable[[], object], device: torch.device, repeats: int 
 
 def compare(name: str, candidates: dict[str, Callable[[], object]], baseline: str, device: torch.device,
             repeats: int = 10, extra: dict | None = None) -> dict:
-    """Time every candidate in one run, print each one's ratio to ``baseline``, and save JSON."""
-    seconds = {label: median_seconds(fn, device, repeats) for label, fn in candidates.items()}
+    """Time every candidate in one run, print each one's ratio to ``baseline``, and save JSON.
+
+    The candidates are timed round-robin (one call of each per round, ``repeats`` rounds,
+    medians kept), so a slow spell of a shared machine hits all of them alike.
+    """
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    for fn in candidates.values():
+        fn()
+        fn()
+    sync()
+    times: dict[str, list[float]] = {label: [] for label in candidates}
+    for _ in range(repeats):
+        for label, fn in candidates.items():
+            start = time.perf_counter()
+            fn()
+            sync()
+            times[label].append(time.perf_counter() - start)
+    seconds = {label: statistics.median(t) for label, t in times.items()}
     ratios = {label: s / seconds[baseline] for label, s in seconds.items()}
     result = {"benchmark": name, "device": device_name(device), "torch": torch.__version__,
               "seconds": seconds, "ratio_to_" + baseline: ratios, **(extra or {})}

@@ -77,3 +77,44 @@ def test_label_checks():
     assert metrics.accuracy(torch.tensor([[2.0, 1.0], [0.0, 1.0]]), torch.tensor([0, 0])) == 0.5
     directions = metrics.class_directions(torch.randn(4, 3), torch.tensor([0, 0, 1, 1]), 2)
     assert torch.allclose(directions.norm(dim=1), torch.ones(2))
+
+
+def test_angular_fisher_score_zero_for_identical_directions_and_scale_invariant():
+    labels = torch.tensor([0, 0, 1, 1, 2, 2])
+    centres = torch.eye(3, dtype=torch.float64)
+    features = centres[labels] * torch.tensor([1.0, 3.0, 0.5, 2.0, 1.0, 9.0], dtype=torch.float64)[:, None]
+    assert metrics.angular_fisher_score(features, labels) == pytest.approx(0.0, abs=1e-12)
+    g = torch.Generator().manual_seed(0)
+    noisy = features + 0.3 * torch.randn(6, 3, generator=g, dtype=torch.float64)
+    score = metrics.angular_fisher_score(noisy, labels)
+    scale = torch.rand(6, 1, generator=g, dtype=torch.float64) + 0.1
+    assert metrics.angular_fisher_score(noisy * scale, labels) == pytest.approx(score)
+    tighter = metrics.angular_fisher_score(features + 0.1 * torch.randn(6, 3, generator=g, dtype=torch.float64), labels)
+    assert tighter < score
+    with pytest.raises(ValueError):
+        metrics.angular_fisher_score(features, torch.zeros(6, dtype=torch.long))
+
+
+def test_sample_pairs_balanced_and_correct():
+    labels = torch.arange(40) % 5
+    pairs, same = metrics.sample_pairs(labels, 200, generator=torch.Generator().manual_seed(0))
+    assert pairs.shape == (200, 2) and int(same.sum()) == 100
+    assert torch.equal(labels[pairs[:, 0]] == labels[pairs[:, 1]], same)
+    assert bool((pairs[same, 0] != pairs[same, 1]).all())
+    with pytest.raises(ValueError):
+        metrics.sample_pairs(labels, 3)
+
+
+def test_verification_accuracy_perfect_random_and_bad_args():
+    same = torch.arange(100) % 2 == 0
+    perfect = same.double() + 0.01 * torch.arange(100)
+    assert metrics.verification_accuracy(same.double(), same)[0] == 1.0
+    assert metrics.verification_accuracy(perfect, same)[0] > 0.9
+    g = torch.Generator().manual_seed(0)
+    scores = torch.rand(2000, generator=g, dtype=torch.float64)
+    chance = metrics.verification_accuracy(scores, torch.rand(2000, generator=g) < 0.5)[0]
+    assert 0.4 < chance < 0.6
+    with pytest.raises(ValueError):
+        metrics.verification_accuracy(scores[:5], same[:5], folds=10)
+    with pytest.raises(ValueError):
+        metrics.verification_accuracy(scores[:100], same.long())

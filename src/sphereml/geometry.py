@@ -15,10 +15,14 @@ Note [no arccos at ``|cos| = 1``]
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
-__all__ = ["normalize", "cosine_matrix", "safe_angle", "angle_matrix", "sample_sphere"]
+__all__ = [
+    "normalize", "cosine_matrix", "safe_angle", "angle_matrix", "sample_sphere", "chebyshev_cos", "psi",
+]
 
 
 def _check_eps(eps: float) -> None:
@@ -124,3 +128,59 @@ def sample_sphere(
         bad = torch.linalg.vector_norm(z, dim=1) == 0
         z[bad] = torch.randn(int(bad.sum()), d, generator=generator, dtype=z.dtype, device=z.device)
     return normalize(z)
+
+
+def _check_integer_margin(m) -> int:
+    if isinstance(m, bool) or not isinstance(m, int) and not (isinstance(m, float) and m.is_integer()):
+        raise ValueError(f"m must be an integer >= 1 for the multiple-angle formula, got {m!r}")
+    if m < 1:
+        raise ValueError(f"m must be an integer >= 1, got {m!r}")
+    return int(m)
+
+
+def chebyshev_cos(cos: Tensor, m: int) -> Tensor:
+    """cos(m theta) as a polynomial in c = cos(theta): the multiple-angle formula (thesis eq. 2.7).
+
+    cos(m theta) = sum_{n=0}^{floor(m/2)} (-1)^n C(m, 2n) c^(m-2n) (1 - c^2)^n, which is the
+    Chebyshev polynomial T_m(c).  It is evaluated by the three-term recurrence
+    T_0 = 1, T_1 = c, T_{n+1} = 2 c T_n - T_{n-1}, which is the same polynomial and
+    stable on [-1, 1]; no arccos is involved, so the gradient T_m'(c) is finite
+    everywhere (at most m^2 in magnitude on [-1, 1]).
+
+    Args:
+        cos (Tensor): cosines, any shape.
+        m (int): the multiple, an integer >= 1.
+
+    Returns:
+        Tensor of the same shape.
+    """
+    m = _check_integer_margin(m)
+    prev, cur = torch.ones_like(cos), cos
+    for _ in range(m - 1):
+        prev, cur = cur, 2 * cos * cur - prev
+    return cur
+
+
+def psi(theta: Tensor, m: int | float) -> Tensor:
+    """The monotone multiplicative-margin target function of L-Softmax and A-Softmax (thesis eq. 2.6).
+
+    psi(theta) = (-1)^k cos(m theta) - 2k on [k pi / m, (k + 1) pi / m], k = 0, ..., ceil(m) - 1.
+
+    It equals cos(m theta) on [0, pi / m], is continuous and non-increasing on [0, pi],
+    psi(0) = 1 and, for integer m, psi(pi) = 1 - 2m.  This reference form takes the angle
+    and is used for plots and tests; the loss heads evaluate it from the cosine through
+    :func:`chebyshev_cos` (see :mod:`sphereml.margins`).
+
+    Args:
+        theta (Tensor): angles in [0, pi].
+        m (int or float): the margin multiple, >= 1 (real values give the continuous
+            extension used by the detached SphereFace variant).
+
+    Returns:
+        Tensor of the same shape as ``theta``.
+    """
+    if isinstance(m, bool) or not isinstance(m, (int, float)) or not m >= 1:
+        raise ValueError(f"m must be a number >= 1, got {m!r}")
+    k = torch.floor(theta.detach() * m / math.pi).clamp(0, math.ceil(m) - 1)
+    sign = 1 - 2 * torch.remainder(k, 2)  # (-1)^k
+    return sign * torch.cos(m * theta) - 2 * k

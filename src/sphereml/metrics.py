@@ -15,6 +15,7 @@ __all__ = [
     "accuracy", "true_class_confidence", "angular_visual_hardness", "roc_auc", "spearman",
     "class_directions", "angle_only_accuracy", "histogram_bayes_classifier", "histogram_bayes_accuracy",
     "norm_only_accuracy", "polar_angle", "polar_angle_accuracy",
+    "angular_fisher_score", "sample_pairs", "verification_accuracy",
 ]
 
 
@@ -154,3 +155,103 @@ def polar_angle_accuracy(train_features, train_labels, test_features, test_label
     """Best accuracy from the polar angle of 2-D features alone (the norm's counterpart)."""
     return histogram_bayes_accuracy(polar_angle(train_features), train_labels, polar_angle(test_features),
                                     test_labels, num_classes, bins)
+
+
+def angular_fisher_score(features: Tensor, labels: Tensor) -> float:
+    """Angular Fisher score S_w / S_b (thesis App. A.5, eq. A.1); lower is more discriminative.
+
+    S_w = sum_i sum_{x in X_i} (1 - cos<x, m_i>) and S_b = sum_i n_i (1 - cos<m_i, m>),
+    where m_i is the mean of class i and m the overall mean.  The thesis does not say
+    whether the means are taken over raw or normalised features; we average the unit
+    features, so the score depends on directions only (invariant to rescaling any sample).
+
+    Args:
+        features (Tensor[N, d]), labels (Tensor[N], int64): at least two classes present.
+    """
+    _check_labels(labels, features.shape[0])
+    unit = normalize(features.double())
+    classes = labels.unique()
+    if len(classes) < 2:
+        raise ValueError("angular_fisher_score needs at least two classes")
+    overall = unit.mean(0, keepdim=True)
+    s_w = s_b = 0.0
+    for c in classes:
+        members = unit[labels == c]
+        centre = members.mean(0, keepdim=True)
+        s_w += float((1 - cosine_matrix(members, centre)).sum())
+        s_b += len(members) * float(1 - cosine_matrix(centre, overall))
+    return s_w / s_b
+
+
+def sample_pairs(labels: Tensor, n_pairs: int, generator: torch.Generator | None = None) -> tuple[Tensor, Tensor]:
+    """Half same-class, half different-class index pairs, shuffled (an LFW-style verification set).
+
+    Args:
+        labels (Tensor[N], int64): class of each sample; at least two classes with two samples.
+        n_pairs (int): even number of pairs.
+        generator (torch.Generator, optional): source of randomness.
+
+    Returns:
+        (pairs Tensor[n_pairs, 2] of indices, same Tensor[n_pairs] bool).
+    """
+    _check_labels(labels, labels.shape[0])
+    if not isinstance(n_pairs, int) or n_pairs < 2 or n_pairs % 2:
+        raise ValueError(f"n_pairs must be an even integer >= 2, got {n_pairs!r}")
+    classes, counts = labels.unique(return_counts=True)
+    if len(classes) < 2 or int(counts.max()) < 2:
+        raise ValueError("need at least two classes and one class with two samples")
+    half = n_pairs // 2
+    eligible = classes[counts >= 2]
+    firsts, seconds = [], []
+    for c in eligible[torch.randint(len(eligible), (half,), generator=generator)]:
+        members = (labels == c).nonzero().squeeze(1)
+        i, j = members[torch.randperm(len(members), generator=generator)[:2]]
+        firsts.append(i)
+        seconds.append(j)
+    a = torch.randint(len(labels), (4 * half,), generator=generator)
+    b = torch.randint(len(labels), (4 * half,), generator=generator)
+    differ = (labels[a] != labels[b]).nonzero().squeeze(1)[:half]
+    pairs = torch.cat([torch.stack([torch.stack(firsts), torch.stack(seconds)], 1), torch.stack([a, b], 1)[differ]])
+    same = torch.cat([torch.ones(half, dtype=torch.bool), torch.zeros(len(differ), dtype=torch.bool)])
+    order = torch.randperm(len(pairs), generator=generator)
+    return pairs[order], same[order]
+
+
+def _best_threshold(scores: Tensor, same: Tensor) -> float:
+    """The threshold t maximising the accuracy of "same iff score >= t" on these pairs."""
+    values, order = scores.sort()
+    hit = same[order].double()
+    # predicting "same" for positions >= i: correct = negatives before i + positives from i on
+    neg_before = torch.cat([torch.zeros(1, dtype=hit.dtype), (1 - hit).cumsum(0)])
+    pos_from = hit.sum() - torch.cat([torch.zeros(1, dtype=hit.dtype), hit.cumsum(0)])
+    i = int((neg_before + pos_from).argmax())
+    if i == 0:
+        return float(values[0]) - 1.0
+    if i == len(values):
+        return float(values[-1]) + 1.0
+    return float(values[i - 1] + values[i]) / 2
+
+
+def verification_accuracy(scores: Tensor, same: Tensor, folds: int = 10) -> tuple[float, float]:
+    """LFW-protocol verification accuracy: the threshold is chosen on folds - 1 folds and tested on the last.
+
+    Args:
+        scores (Tensor[P]): similarity of each pair (e.g. cosine); higher means "same".
+        same (Tensor[P], bool): ground truth.
+        folds (int): number of folds >= 2. Default: 10.
+
+    Returns:
+        (mean, standard deviation) of the per-fold accuracies.
+    """
+    if scores.dim() != 1 or same.shape != scores.shape or same.dtype != torch.bool:
+        raise ValueError("scores must be Tensor[P] and same a bool Tensor[P]")
+    if not isinstance(folds, int) or folds < 2 or len(scores) < folds:
+        raise ValueError(f"folds must be an integer in [2, {len(scores)}], got {folds!r}")
+    fold_of = torch.arange(len(scores)) % folds
+    accs = []
+    for k in range(folds):
+        test = fold_of == k
+        t = _best_threshold(scores[~test], same[~test])
+        accs.append(float(((scores[test] >= t) == same[test]).double().mean()))
+    accs_t = torch.tensor(accs)
+    return float(accs_t.mean()), float(accs_t.std())
