@@ -78,3 +78,25 @@ def test_autoencoder_code_parts_factorise_the_inner_product():
         for m in parts["magnitude"][1:]:
             s = torch.linalg.svdvals(m.flatten(1))
             assert s[1] <= 1e-10 * s[0]
+
+
+def test_block_cnn_matches_the_paper_sizes():
+    from sphereml.models import BlockCNN
+
+    cnn1 = BlockCNN(in_channels=3, width=64, image_size=32)
+    assert cnn1.classifier.in_features == 576
+    assert sum(p.numel() for p in cnn1.parameters()) == 118_858  # seed 004, Table 7
+    cnn2 = BlockCNN(in_channels=3, width=128, image_size=32)
+    assert sum(p.numel() for p in cnn2.parameters()) == 458_890
+    assert BlockCNN(width=8)(torch.randn(2, 1, 28, 28)).shape == (2, 10)
+    with pytest.raises(ValueError):
+        BlockCNN(width=8, image_size=4, padding=0)
+
+
+def test_resnet18_shapes_and_size():
+    from sphereml.models import conv_weights, resnet18
+
+    net = resnet18()
+    assert net(torch.randn(2, 3, 32, 32)).shape == (2, 10)
+    assert 11.1e6 < sum(p.numel() for p in net.parameters()) < 11.2e6
+    assert len(conv_weights(net)) == 20

@@ -20,7 +20,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 __all__ = [
-    "LayerType", "get_layer", "ConvNet", "MLP", "Classifier", "ConvAutoencoder",
+    "LayerType", "get_layer", "conv_weights", "ConvNet", "MLP", "Classifier", "ConvAutoencoder", "BlockCNN",
+    "ResNet", "resnet18",
 ]
 
 LayerType = Union[str, Callable[..., nn.Module], None]
@@ -33,6 +34,7 @@ _REGISTRY: dict[str, Callable[..., nn.Module]] = {
     "gelu": nn.GELU,
     "batchnorm": nn.BatchNorm2d,
     "batchnorm1d": nn.BatchNorm1d,
+    "leakyrelu": partial(nn.LeakyReLU, 0.2),
     "identity": nn.Identity,
 }
 
@@ -48,6 +50,11 @@ def get_layer(layer: LayerType, default: str) -> Callable[..., nn.Module]:
     if callable(layer):
         return layer
     raise ValueError(f"layer must be a name, a callable or None, got {layer!r}")
+
+
+def conv_weights(model: nn.Module) -> list[nn.Parameter]:
+    """The weights Tensor[S, C, *k] of every ``nn.Conv1d``/``Conv2d``/``Conv3d`` in ``model``, in module order."""
+    return [m.weight for m in model.modules() if isinstance(m, (nn.Conv1d, nn.Conv2d, nn.Conv3d))]
 
 
 class ConvNet(nn.Module):
@@ -210,3 +217,93 @@ class ConvAutoencoder(nn.Module):
         cos = (inner / magnitude.clamp_min(eps)).clamp(-1.0, 1.0)
         bias = conv.bias.view(1, -1, 1, 1) if conv.bias is not None else torch.zeros_like(w_norm)
         return {"inner": inner, "cos": cos, "magnitude": magnitude, "bias": bias}
+
+
+class BlockCNN(nn.Module):
+    """``blocks`` x [conv 3x3 (padding 2) -> norm -> act -> max-pool 2], then a linear classifier.
+
+    The CNN1 (width 64) and CNN2 (width 128) of the convolutional-similarity paper (seed 004,
+    Table 7) with BatchNorm and LeakyReLU(0.2).  Its caption gives the conv arguments as
+    (in, out, kernel, padding) with padding 2 — the *full* cross-correlation of a 3x3 kernel
+    that the paper's theory assumes, and the value that makes its Linear(576, 10) fit 32x32
+    inputs (32 -> 34 -> 17 -> 19 -> 9 -> 11 -> 5 -> 7 -> 3).  28x28 inputs also end at 3x3.
+
+    ``forward`` returns logits; :meth:`features` the flattened input of the classifier.
+    """
+
+    def __init__(self, in_channels: int = 1, width: int = 64, num_classes: int = 10, image_size: int = 28,
+                 blocks: int = 4, padding: int = 2, conv_layer: LayerType = None, act_layer: LayerType = "leakyrelu",
+                 norm_layer: LayerType = "batchnorm"):
+        super().__init__()
+        if width < 1 or blocks < 1 or not 0 <= padding <= 2:
+            raise ValueError(f"need width >= 1, blocks >= 1 and padding in [0, 2], got {width}, {blocks}, {padding}")
+        conv, act, norm = get_layer(conv_layer, "conv"), get_layer(act_layer, "relu"), get_layer(norm_layer, "identity")
+        layers: list[nn.Module] = []
+        channels, side = in_channels, image_size
+        for _ in range(blocks):
+            layers += [conv(channels, width, 3, padding=padding), norm(width), act(), nn.MaxPool2d(2)]
+            channels, side = width, (side + 2 * padding - 2) // 2
+        if side < 1:
+            raise ValueError(f"image_size {image_size} is too small for {blocks} blocks with padding {padding}")
+        self.body = nn.Sequential(*layers)
+        self.classifier = nn.Linear(width * side * side, num_classes)
+        self.feature_dim = width * side * side
+
+    def features(self, x: Tensor) -> Tensor:
+        return self.body(x).flatten(1)  # (B, width * side^2)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.classifier(self.features(x))  # (B, num_classes)
+
+
+class _BasicBlock(nn.Module):
+    def __init__(self, cin: int, cout: int, stride: int, conv, norm, act):
+        super().__init__()
+        self.conv1, self.bn1 = conv(cin, cout, 3, stride=stride, padding=1, bias=False), norm(cout)
+        self.conv2, self.bn2 = conv(cout, cout, 3, padding=1, bias=False), norm(cout)
+        self.act = act()
+        self.shortcut = nn.Identity()
+        if stride != 1 or cin != cout:
+            self.shortcut = nn.Sequential(conv(cin, cout, 1, stride=stride, bias=False), norm(cout))
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.act(self.bn1(self.conv1(x)))
+        return self.act(self.bn2(self.conv2(h)) + self.shortcut(x))
+
+
+class ResNet(nn.Module):
+    """Residual network of basic blocks for small images (3x3 stem, no stem pooling), He et al.'s CIFAR layout.
+
+    Args:
+        blocks (tuple[int]): basic blocks per stage; (2, 2, 2, 2) is ResNet-18.
+        widths (tuple[int]): channels per stage; stages after the first halve the resolution.
+        conv_layer, norm_layer, act_layer: operator factories (see :func:`get_layer`).
+    """
+
+    def __init__(self, blocks: tuple[int, ...] = (2, 2, 2, 2), widths: tuple[int, ...] = (64, 128, 256, 512),
+                 in_channels: int = 3, num_classes: int = 10, conv_layer: LayerType = None,
+                 norm_layer: LayerType = "batchnorm", act_layer: LayerType = None):
+        super().__init__()
+        if len(blocks) != len(widths) or not blocks or min(blocks) < 1:
+            raise ValueError(f"blocks and widths need the same non-zero length, got {blocks} and {widths}")
+        conv, norm, act = get_layer(conv_layer, "conv"), get_layer(norm_layer, "identity"), get_layer(act_layer, "relu")
+        self.stem = nn.Sequential(conv(in_channels, widths[0], 3, padding=1, bias=False), norm(widths[0]), act())
+        stages, cin = [], widths[0]
+        for i, (n, width) in enumerate(zip(blocks, widths)):
+            for j in range(n):
+                stages.append(_BasicBlock(cin, width, 2 if i > 0 and j == 0 else 1, conv, norm, act))
+                cin = width
+        self.stages = nn.Sequential(*stages)
+        self.classifier = nn.Linear(cin, num_classes)
+        self.feature_dim = cin
+
+    def features(self, x: Tensor) -> Tensor:
+        return self.stages(self.stem(x)).mean((2, 3))  # global average pool: (B, C)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.classifier(self.features(x))
+
+
+def resnet18(in_channels: int = 3, num_classes: int = 10, **kwargs) -> ResNet:
+    """ResNet-18 in its CIFAR form (11.2M parameters for 10 classes)."""
+    return ResNet((2, 2, 2, 2), (64, 128, 256, 512), in_channels, num_classes, **kwargs)

@@ -1,0 +1,247 @@
+"""Hyperspherical energy: invariants of reference §1.12, closed forms, Thomson minima, backends, regularisers."""
+
+import itertools
+import math
+
+import pytest
+import torch
+
+from sphereml.energy import energy_metric, hyperspherical_energy, minibatch_energy, output_energy
+from sphereml.energy.tiled import tiled_energy
+from sphereml.geometry import normalize
+from sphereml.models import Classifier, ConvNet
+from sphereml.regularizers import MHE
+
+F64 = torch.float64
+E = hyperspherical_energy
+
+
+def _w(n=12, d=5, seed=0, dtype=F64):
+    return torch.randn(n, d, generator=torch.Generator().manual_seed(seed), dtype=dtype)
+
+
+def _orthogonal(d, seed=0):
+    q, _ = torch.linalg.qr(torch.randn(d, d, generator=torch.Generator().manual_seed(seed), dtype=F64))
+    return q
+
+
+VARIANTS = [dict(metric=m, half_space=h, s=s) for m in ("euclidean", "angular") for h in (False, True)
+            for s in (0.0, 1.0, 2.0)]
+
+
+# ---------------------------------------------------------------- invariants
+
+@pytest.mark.parametrize("kw", VARIANTS, ids=str)
+def test_rotation_scale_permutation_invariance(kw):
+    w = _w()
+    base = E(w, **kw)
+    torch.testing.assert_close(E(w @ _orthogonal(5), **kw), base)
+    torch.testing.assert_close(E(w * (torch.rand(12, 1, dtype=F64) * 10 + 0.01), **kw), base)
+    torch.testing.assert_close(E(w[torch.randperm(12)], **kw), base)
+
+
+@pytest.mark.parametrize("metric", ["euclidean", "angular"])
+def test_half_space_is_invariant_to_sign_flips_full_space_is_not(metric):
+    w = _w()
+    flipped = w * torch.tensor([1.0, -1.0] * 6, dtype=F64)[:, None]
+    torch.testing.assert_close(E(flipped, metric=metric, half_space=True), E(w, metric=metric, half_space=True))
+    assert abs(float(E(flipped, metric=metric) - E(w, metric=metric))) > 1e-6
+    torch.testing.assert_close(E(w, metric=metric, half_space=True), E(torch.cat([w, -w]), metric=metric))
+
+
+@pytest.mark.parametrize("s", [0.5, 1.0, 2.0, 3.0])
+@pytest.mark.parametrize("n,d", [(3, 2), (4, 3), (5, 4), (4, 6)])
+def test_regular_simplex_closed_form(n, d, s):
+    # regular simplex: n points in R^(n-1) with cos = -1/(n-1), embedded in R^d
+    centred = torch.eye(n, dtype=F64) - 1.0 / n
+    basis = torch.linalg.svd(centred).U[:, : n - 1]  # (n, n-1) coordinates of the simplex
+    pts = torch.zeros(n, d, dtype=F64)
+    pts[:, : n - 1] = normalize(centred @ basis)
+    expected = (2 + 2 / (n - 1)) ** (-s / 2)
+    assert float(E(pts, s=s)) == pytest.approx(expected, rel=1e-12)
+
+
+@pytest.mark.parametrize("d", [2, 3, 5])
+def test_cross_polytope_and_half_space_orthonormal_optimum_value(d):
+    eye = torch.eye(d, dtype=F64)
+    s = 2.0
+    expected = ((2 * d - 2) * 2 ** (-s / 2) + 4 ** (-s / 2)) / (2 * d - 1)
+    assert float(E(torch.cat([eye, -eye]), s=s)) == pytest.approx(expected, rel=1e-12)
+    assert float(E(eye, s=s, half_space=True)) == pytest.approx(expected, rel=1e-12)  # reference §1.12 item 8
+
+
+def test_log_relaxation_and_jensen():
+    w = _w()
+    for s in (0.5, 1.0, 2.0):
+        gram = normalize(w) @ normalize(w).T
+        r = torch.sqrt(2 - 2 * gram[~torch.eye(12, dtype=torch.bool)])
+        e_log = torch.log(r.pow(-s)).mean()
+        torch.testing.assert_close(e_log, s * E(w, s=0.0))
+        assert float(torch.log(E(w, s=s))) >= float(e_log)
+
+
+def test_weighted_energy_scaling_and_importance():
+    w = _w()
+    beta = 3.0
+    weights = torch.full((12,), beta, dtype=F64)
+    torch.testing.assert_close(E(w, s=2.0, weights=weights), beta ** -2 * E(w, s=2.0))
+    torch.testing.assert_close(E(w, s=0.0, weights=weights), E(w, s=0.0) - math.log(beta))
+    # a heavier neuron feels a smaller tangential gradient (it "moves less", Figs. D.1-D.2)
+    uneven = torch.ones(12, dtype=F64)
+    uneven[0] = 10.0
+    x = w.clone().requires_grad_(True)
+    E(x, weights=uneven).backward()
+    radial = (x.grad * normalize(x.detach())).sum(1, keepdim=True) * normalize(x.detach())
+    tangential = (x.grad - radial).norm(dim=1) * x.detach().norm(dim=1)
+    assert float(tangential[0]) < float(tangential[1:].min())
+
+
+def test_minibatch_estimator_is_exactly_unbiased():
+    w = _w(6)
+    full = E(w, s=1.0)
+    subsets = [E(w[list(c)], s=1.0) for c in itertools.combinations(range(6), 3)]
+    torch.testing.assert_close(torch.stack(subsets).mean(), full)
+    value = minibatch_energy(w, 3, s=1.0, generator=torch.Generator().manual_seed(0))
+    assert any(torch.isclose(value, sub) for sub in subsets)
+
+
+# ---------------------------------------------------------------- Thomson problem
+
+THOMSON = {2: 0.5, 3: 1.732050808, 4: 3.674234614, 5: 6.474691495, 6: 9.985281374, 7: 14.452977414,
+           8: 19.675287861, 9: 25.759986531, 10: 32.716949460, 11: 40.596450510, 12: 49.165253058}
+
+
+def _minimise(n, restarts, seed=0):
+    """Projected-gradient warm start (Adam on unnormalised w), then L-BFGS; the best of a few restarts."""
+    best = math.inf
+    for r in range(restarts):
+        w = torch.randn(n, 3, generator=torch.Generator().manual_seed(seed + 100 * r), dtype=F64).requires_grad_(True)
+        adam = torch.optim.Adam([w], lr=0.05)
+        for _ in range(150):
+            adam.zero_grad()
+            E(w, s=1.0, backend="dense").backward()
+            adam.step()
+        lbfgs = torch.optim.LBFGS([w], max_iter=500, tolerance_grad=1e-14, tolerance_change=1e-16,
+                                  line_search_fn="strong_wolfe")
+
+        def closure():
+            lbfgs.zero_grad()
+            value = E(w, s=1.0, backend="dense")
+            value.backward()
+            return value
+        lbfgs.step(closure)
+        best = min(best, float(E(w.detach(), s=1.0)) * n * (n - 1) / 2)  # unordered-pair convention
+    return best
+
+
+@pytest.mark.parametrize("n", sorted(THOMSON))
+def test_thomson_minima_on_the_sphere(n):
+    assert _minimise(n, restarts=3) == pytest.approx(THOMSON[n], rel=1e-7)
+
+
+# ---------------------------------------------------------------- backends
+
+def _special_sets():
+    w = _w(20, 4)
+    dup = w.clone()
+    dup[1] = dup[0] * 2.5  # the same direction twice
+    anti = w.clone()
+    anti[1] = -anti[0]
+    return {"random": w, "duplicated": dup, "antipodal": anti}
+
+
+@pytest.mark.parametrize("kw", VARIANTS, ids=str)
+def test_tiled_matches_dense_values_and_gradients(kw):
+    for name, w in _special_sets().items():
+        a, b = w.clone().requires_grad_(True), w.clone().requires_grad_(True)
+        va, vb = E(a, backend="dense", **kw), E(b, backend="tiled", **kw)
+        va.backward()
+        vb.backward()
+        torch.testing.assert_close(vb, va, rtol=1e-12, atol=1e-12, msg=name)
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-10, atol=1e-12, msg=name)
+        assert bool(torch.isfinite(a.grad).all()), name
+
+
+def test_tiled_blocks_and_weights_and_float32():
+    w = _w(37, 6)
+    weights = torch.rand(37, dtype=F64) + 0.5
+    pts = normalize(w) * weights[:, None]
+    for block in (1, 5, 37):
+        torch.testing.assert_close(tiled_energy(pts, 2.0, "euclidean", 1e-7, block), E(w, weights=weights))
+    w32 = w.float()
+    torch.testing.assert_close(E(w32, backend="tiled"), E(w32, backend="dense"), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("metric", ["euclidean", "angular"])
+@pytest.mark.parametrize("s", [0.0, 2.0])
+def test_gradcheck_tiled_and_dense(metric, s):
+    w = _w(7, 3).requires_grad_(True)
+    for backend in ("dense", "tiled"):
+        assert torch.autograd.gradcheck(lambda x, b=backend: E(x, s=s, metric=metric, backend=b, half_space=True),
+                                        (w,))
+
+
+def test_auto_backend_choice():
+    from sphereml.energy import TILED_ABOVE, _backend_for
+
+    small, large = torch.zeros(10, 3), torch.zeros(TILED_ABOVE + 1, 3)
+    assert _backend_for(small, "euclidean", "auto") == "dense"
+    assert _backend_for(large, "euclidean", "auto") == "tiled"
+    assert energy_metric(_w(), s=1.0) == pytest.approx(float(E(_w(), s=1.0)))
+
+
+def test_triton_refused_where_it_cannot_run(monkeypatch):
+    from sphereml.energy import triton_importable
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    if triton_importable() and not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match="CUDA"):
+            E(_w().float(), backend="triton")
+    with pytest.raises(ValueError, match="euclidean"):
+        E(_w().float(), metric="angular", backend="triton")
+
+
+# ---------------------------------------------------------------- regularisers
+
+def test_mhe_regulariser_sums_layer_energies():
+    torch.manual_seed(0)
+    model = Classifier(ConvNet(1, 8, widths=(4, 6)), 10)
+    reg = MHE(model, s=1.0, half_space=True, lambda_hidden=0.5, lambda_output=2.0)
+    convs = [m for m in model.modules() if isinstance(m, torch.nn.Conv2d)]
+    expected = 0.5 * sum(E(m.weight, s=1.0, half_space=True) for m in convs + [model.backbone.feature])
+    expected = expected + 2.0 * E(model.head.weight, s=1.0)  # output layer: full space
+    torch.testing.assert_close(reg(model), expected)
+    assert reg.output is model.head and len(reg.hidden) == 3
+
+
+def test_output_energy_matches_its_definition():
+    w = _w(5, 3)
+    labels = torch.tensor([0, 0, 3, 4])
+    unit = normalize(w)
+    brute = [float((unit[y] - unit[j]).norm() ** -2) for y in labels.tolist() for j in range(5) if j != y]
+    assert float(output_energy(w, labels)) == pytest.approx(sum(brute) / len(brute))
+
+
+# ---------------------------------------------------------------- bad input
+
+@pytest.mark.parametrize("call", [
+    lambda: E(_w(), s=-1.0),
+    lambda: E(_w(), s=float("nan")),
+    lambda: E(_w(1, 3)),
+    lambda: E(torch.randn(5)),
+    lambda: E(torch.tensor([[1.0, float("inf")], [0.0, 1.0]])),
+    lambda: E(torch.ones(3, 3, dtype=torch.long)),
+    lambda: E(_w(), metric="cosine"),
+    lambda: E(_w(), backend="cuda"),
+    lambda: E(_w(), weights=torch.zeros(12)),
+    lambda: E(_w(), weights=torch.ones(3)),
+    lambda: E(_w(), metric="angular", weights=torch.ones(12)),
+    lambda: E(_w(), eps=0.0),
+    lambda: minibatch_energy(_w(), 1),
+    lambda: output_energy(_w(5, 3), torch.tensor([5])),
+    lambda: MHE(torch.nn.Linear(3, 1), lambda_output=0.0),
+    lambda: MHE(ConvNet(1, 4, widths=(4,)), lambda_hidden=-1.0),
+])
+def test_bad_arguments(call):
+    with pytest.raises(ValueError):
+        call()
