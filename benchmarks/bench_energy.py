@@ -1,7 +1,8 @@
 """Hyperspherical energy, forward + backward, s = 2: tiled (and Triton on a GPU) against dense.
 
 Each measurement runs in a fresh subprocess so that its peak resident memory (``ru_maxrss``)
-belongs to that backend alone; on CUDA the peak allocated device memory is used instead.
+belongs to that backend alone; on CUDA the peak allocated device memory is used instead.  Times are
+medians of 3 runs, except the slow single runs (dense on the CPU, N = 65,536).
 The dense backend at N = 65,536 is run under an address-space limit of 24 GiB (the size of the
 book's build machine), where it fails to allocate its N x N matrices; the tiled backend
 completes under the same limit.  The baseline of the "within 1.5x" goal is three Gram
@@ -30,20 +31,26 @@ sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
 base_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 out = {"n": n, "d": d, "backend": backend}
 try:
+    repeats = 3 if (n <= 16384 and backend != "dense") or device == "cuda" else 1
+    times = []
     if backend == "gram":
         u = w.detach()
-        sync(); t0 = time.perf_counter()
-        for _ in range(3):
-            (u @ u.T) if n <= 16384 else [u[i:i + 4096] @ u.T for i in range(0, n, 4096)]
-        sync(); out["seconds"] = time.perf_counter() - t0
+        for _ in range(repeats):
+            sync(); t0 = time.perf_counter()
+            for _ in range(3):
+                u @ u.T
+            sync(); times.append(time.perf_counter() - t0)
     else:
         hyperspherical_energy(w[:256], backend=backend).backward()  # warm-up (and Triton compile)
-        w.grad = None
         if device == "cuda":
             torch.cuda.reset_peak_memory_stats()
-        sync(); t0 = time.perf_counter()
-        hyperspherical_energy(w, s=2.0, backend=backend).backward()
-        sync(); out["seconds"] = time.perf_counter() - t0
+        for _ in range(repeats):
+            w.grad = None
+            sync(); t0 = time.perf_counter()
+            hyperspherical_energy(w, s=2.0, backend=backend).backward()
+            sync(); times.append(time.perf_counter() - t0)
+    out["seconds"] = sorted(times)[len(times) // 2]
+    out["repeats"] = repeats
     out["ok"] = True
 except (RuntimeError, MemoryError) as exc:
     out["ok"] = False
@@ -98,6 +105,6 @@ def run(device: torch.device) -> dict:
     if (n0, "gram") in by and (n0, fast) in by:
         result["ratio_to_three_gram_products"] = by[(n0, fast)]["seconds"] / by[(n0, "gram")]["seconds"]
         print(f"energy N={n0}: {fast} takes {result['ratio_to_three_gram_products']:.2f}x the time of three "
-              "W W^T products (two on the GPU goal's scale: divide by 2/3)")
+              "W W^T products of the same size")
     write_json(result, RESULTS / f"energy_fwd_bwd-{device.type}.json")
     return result

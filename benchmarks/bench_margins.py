@@ -37,4 +37,4 @@ def run(device: torch.device) -> dict:
         head.to(device)
         candidates[label] = lambda h=head: step(lambda: h.loss(x, y))
     return compare("margin_heads_fwd_bwd", candidates, baseline="nn.Linear + cross_entropy", device=device,
-                   repeats=10, extra={"batch": B, "in_features": D, "num_classes": C})
+                   repeats=25, extra={"batch": B, "in_features": D, "num_classes": C})
