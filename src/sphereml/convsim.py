@@ -7,17 +7,18 @@ kernel: P = N - 1 is *full*, P = (N - 1) / 2 *same* (odd N), P = 0 *valid*.  For
 the *kernel cross-correlation* is (K1 ⊛ K2)[n] = sum_i K1[i] K2[i + n], n in [1 - N, N - 1].
 
 The main identity (paper eq. 14): for full padding, the feature maps F_j = X ⊛ K_j satisfy
-<F_1, F_2> = <K1 ⊛ K2, (X ⊛ X)[1 - N, N - 1]>, so a zero kernel cross-correlation makes the
+``<F_1, F_2> = <K1 ⊛ K2, (X ⊛ X)[1 - N, N - 1]>``, so a zero kernel cross-correlation makes the
 feature maps orthogonal for *every* input.  The convolutional-similarity loss (eq. 20) of a
 layer with kernels K_0..K_{S-1} of C channels each is
 
-    L_CS = sum_{i<j} sum_{c1, c2} || K_i[c1] ⊛ K_j[c2] ||^2        (full kernel cross-correlation)
+``L_CS = sum_{i<j} sum_{c1, c2} ||K_i[c1] ⊛ K_j[c2]||^2`` (full kernel cross-correlation).
 
 Note [convsim through power spectra]
-    By Parseval, ||a ⊛ b||^2 = (1/L^d) sum_w |a^(w)|^2 |b^(w)|^2 for DFTs of length
-    L >= 2N - 1 per axis (no wrap-around).  Summing over channel pairs factorises:
-    sum_{c1,c2} ||K_i[c1] ⊛ K_j[c2]||^2 = (1/L^d) <P_i, P_j> with the kernel power spectrum
-    P_i = sum_c |K_i[c]^|^2, and sum_{i<j} <P_i, P_j> = (||sum_i P_i||^2 - sum_i ||P_i||^2) / 2.
+    By Parseval, ``||a ⊛ b||^2 = (1/L^d) sum_w abs(DFT(a)(w))^2 abs(DFT(b)(w))^2`` for DFTs of
+    length L >= 2N - 1 per axis (no wrap-around).  Summing over channel pairs factorises:
+    ``sum_{c1,c2} ||K_i[c1] ⊛ K_j[c2]||^2 = (1/L^d) <P_i, P_j>`` with the kernel power spectrum
+    ``P_i = sum_c abs(DFT(K_i[c]))^2``, and
+    ``sum_{i<j} <P_i, P_j> = (||sum_i P_i||^2 - sum_i ||P_i||^2) / 2``.
     The cost is S C FFTs of size L^d, against S^2 C^2 kernel correlations for the direct form.
 """
 
@@ -73,12 +74,12 @@ def cross_correlate(x: Tensor, kernel: Tensor, mode: str | int = "full") -> Tens
     """(X ⊛ K) of one C-channel input with one C-channel kernel, summed over channels (one conv output map).
 
     Args:
-        x (Tensor[C, *spatial]): input with 1 to 3 spatial axes; a plain vector Tensor[M] is one channel.
-        kernel (Tensor[C, *k]): kernel with the same channels (Tensor[N] for a vector input).
+        x (``Tensor[C, *spatial]``): input with 1 to 3 spatial axes; a plain vector Tensor[M] is one channel.
+        kernel (``Tensor[C, *k]``): kernel with the same channels (Tensor[N] for a vector input).
         mode: ``"full"``, ``"same"``, ``"valid"`` or an integer padding P (eq. 25).
 
     Returns:
-        Tensor[*out], out = M + 2P - N + 1 per axis.
+        ``Tensor[*out]``, out = M + 2P - N + 1 per axis.
     """
     if x.dim() == 1 and kernel.dim() == 1:
         x, kernel = x[None], kernel[None]
@@ -100,7 +101,7 @@ def kernel_correlation(k1: Tensor, k2: Tensor) -> Tensor:
     """(K1 ⊛ K2)[n] = sum_i K1[i] K2[i + n] for n in [1 - N, N - 1] per axis (paper eq. 6).
 
     Args:
-        k1, k2 (Tensor[*k]): single-channel kernels of the same shape, 1 to 3 axes.
+        k1, k2 (``Tensor[*k]``): single-channel kernels of the same shape, 1 to 3 axes.
 
     Returns:
         Tensor[2N - 1, ...]; index n + N - 1 holds lag n.
@@ -111,7 +112,7 @@ def kernel_correlation(k1: Tensor, k2: Tensor) -> Tensor:
 
 
 def autocorrelation(x: Tensor, max_lag: int) -> Tensor:
-    """(X ⊛ X)[n] = sum_i X[i] X[i + n] for |n| <= max_lag per axis (single-channel X)."""
+    """(X ⊛ X)[n] = sum_i X[i] X[i + n] for ``abs(n) <= max_lag`` per axis (single-channel X)."""
     d = _spatial_dims(x, 0)
     if max_lag < 0:
         raise ValueError(f"max_lag must be >= 0, got {max_lag}")
@@ -131,12 +132,12 @@ def feature_maps(weight: Tensor, x: Tensor, mode: str | int = "full") -> Tensor:
     """The S feature maps F_s = sum_c X[c] ⊛ K_s[c] of a bias-free conv layer.
 
     Args:
-        weight (Tensor[S, C, *k]): the layer's kernels.
-        x (Tensor[C, *spatial] or Tensor[B, C, *spatial]): input(s).
+        weight (``Tensor[S, C, *k]``): the layer's kernels.
+        x (``Tensor[C, *spatial]`` or ``Tensor[B, C, *spatial]``): input(s).
         mode: padding, as in :func:`cross_correlate`.
 
     Returns:
-        Tensor[S, *out] (or Tensor[B, S, *out] for a batch).
+        ``Tensor[S, *out]`` (or ``Tensor[B, S, *out]`` for a batch).
     """
     d = _check_weight(weight)
     single = x.dim() == d + 1
@@ -220,12 +221,12 @@ def conv_similarity(weight: Tensor, mode: str | int = "full", method: str = "aut
     """The convolutional-similarity loss L_CS of one layer (paper eqs. 17, 19, 20).
 
     L_CS = sum_{i<j} sum_{c1,c2} sum_n (K_i[c1] ⊛ K_j[c2])[n]^2, every channel of K_i against
-    every channel of K_j, over the lags n kept by ``mode``: all |n| <= N - 1 for ``"full"``
-    (the paper's loss), |n| <= (N - 1) / 2 for ``"same"``, n = 0 for ``"valid"`` (which is the
-    squared-inner-product kernel orthogonality over all channel pairs); an integer P keeps |n| <= P.
+    every channel of K_j, over the lags n kept by ``mode``: ``abs(n) <= N - 1`` for ``"full"``
+    (the paper's loss), ``abs(n) <= (N - 1) / 2`` for ``"same"``, n = 0 for ``"valid"`` (which is the
+    squared-inner-product kernel orthogonality over all channel pairs); an integer P keeps ``abs(n) <= P``.
 
     Args:
-        weight (Tensor[S, C, *k]): conv weight with 1 to 3 equal spatial sizes.
+        weight (``Tensor[S, C, *k]``): conv weight with 1 to 3 equal spatial sizes.
         mode: lags kept, see above. Default: ``"full"``.
         method: ``"direct"`` (kernels convolved with each other, the reference), ``"fft"``
             (power spectra, Note [convsim through power spectra]; full mode only) or

@@ -53,7 +53,7 @@ def get_layer(layer: LayerType, default: str) -> Callable[..., nn.Module]:
 
 
 def conv_weights(model: nn.Module) -> list[nn.Parameter]:
-    """The weights Tensor[S, C, *k] of every ``nn.Conv1d``/``Conv2d``/``Conv3d`` in ``model``, in module order."""
+    """The weights ``Tensor[S, C, *k]`` of every ``nn.Conv1d``/``Conv2d``/``Conv3d`` in ``model``, in module order."""
     return [m.weight for m in model.modules() if isinstance(m, (nn.Conv1d, nn.Conv2d, nn.Conv3d))]
 
 

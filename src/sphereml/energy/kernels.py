@@ -5,14 +5,14 @@ a unit neuron, its virtual negative, or a weighted neuron beta_i w_hat_i) and ev
 for each ordered pair, a value f and its derivative with respect to the Gram entry
 g_ij = q_i . q_j:
 
-* ``euclidean``: r^2 = |q_i|^2 + |q_j|^2 - 2 g_ij floored at ``eps``; f = (r^2)^(-s/2), or
+* ``euclidean``: ``r^2 = ||q_i||^2 + ||q_j||^2 - 2 g_ij`` floored at ``eps``; f = (r^2)^(-s/2), or
   -log(r^2) / 2 = log(1 / r) for s = 0;
 * ``angular`` (unit rows): theta = arccos(g) with g clamped to [-1 + eps/2, 1 - eps/2];
   f = theta^(-s), or log(1 / theta) for s = 0.
 
 Note [energy floor]
     Two coincident neurons have r = 0 and infinite energy.  The floor r^2 >= eps (for the
-    angular metric: |cos| <= 1 - eps/2, i.e. theta >= about sqrt(eps)) caps each pair's
+    angular metric: ``abs(cos) <= 1 - eps/2``, i.e. theta >= about sqrt(eps)) caps each pair's
     value at eps^(-s/2) and gives a zero derivative below the floor, so duplicated
     neurons produce finite values and finite gradients.  Above the floor the values are
     exact.
@@ -32,7 +32,7 @@ def pair_values(gram: Tensor, sq_rows: Tensor, sq_cols: Tensor, s: float, metric
 
     Args:
         gram (Tensor[B, M]): q_i . q_j for a block of rows i and all columns j.
-        sq_rows (Tensor[B, 1]), sq_cols (Tensor[1, M]): squared norms |q|^2 (euclidean only).
+        sq_rows (Tensor[B, 1]), sq_cols (Tensor[1, M]): squared norms ``||q||^2`` (euclidean only).
         s (float): the Riesz exponent, >= 0.
         metric (str): ``"euclidean"`` or ``"angular"``.
         eps (float): the floor of Note [energy floor].
