@@ -35,6 +35,18 @@ def riesz(g, sq_r, sq_c, s, eps, LOG: tl.constexpr):
 
 
 @triton.jit
+def pair_tile(Q, SQ, rows, rmask, sq_r, start, M, D, stride, s, eps, LOG: tl.constexpr,
+              BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr):
+    """Values and derivatives of one (BM, BN) tile of pairs, zero on i == j and outside the matrix."""
+    cols = start + tl.arange(0, BN)
+    cmask = cols < M
+    sq_c = tl.load(SQ + cols, mask=cmask, other=0.0)
+    val, deriv = riesz(gram_tile(Q, rows, cols, rmask, cmask, D, stride, BM, BN, BD), sq_r, sq_c, s, eps, LOG)
+    keep = rmask[:, None] & cmask[None, :] & (rows[:, None] != cols[None, :])
+    return tl.where(keep, val, 0.0), tl.where(keep, deriv, 0.0), cols, cmask
+
+
+@triton.jit
 def forward_kernel(Q, SQ, OUT, M, D, stride, s, eps, LOG: tl.constexpr,
                    BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr):
     rows = tl.program_id(0) * BM + tl.arange(0, BM)
@@ -42,12 +54,8 @@ def forward_kernel(Q, SQ, OUT, M, D, stride, s, eps, LOG: tl.constexpr,
     sq_r = tl.load(SQ + rows, mask=rmask, other=0.0)
     total = tl.zeros((BM,), dtype=tl.float32)
     for start in range(0, M, BN):
-        cols = start + tl.arange(0, BN)
-        cmask = cols < M
-        sq_c = tl.load(SQ + cols, mask=cmask, other=0.0)
-        val, _ = riesz(gram_tile(Q, rows, cols, rmask, cmask, D, stride, BM, BN, BD), sq_r, sq_c, s, eps, LOG)
-        keep = rmask[:, None] & cmask[None, :] & (rows[:, None] != cols[None, :])
-        total += tl.sum(tl.where(keep, val, 0.0), axis=1)
+        val, _, _, _ = pair_tile(Q, SQ, rows, rmask, sq_r, start, M, D, stride, s, eps, LOG, BM, BN, BD)
+        total += tl.sum(val, axis=1)
     tl.store(OUT + rows, total, mask=rmask)
 
 
@@ -62,12 +70,7 @@ def backward_kernel(Q, SQ, GRAD, M, D, stride, s, eps, LOG: tl.constexpr,
     acc = tl.zeros((BM, BDO), dtype=tl.float32)
     rowsum = tl.zeros((BM,), dtype=tl.float32)
     for start in range(0, M, BN):
-        cols = start + tl.arange(0, BN)
-        cmask = cols < M
-        sq_c = tl.load(SQ + cols, mask=cmask, other=0.0)
-        _, deriv = riesz(gram_tile(Q, rows, cols, rmask, cmask, D, stride, BM, BN, BD), sq_r, sq_c, s, eps, LOG)
-        keep = rmask[:, None] & cmask[None, :] & (rows[:, None] != cols[None, :])
-        deriv = tl.where(keep, deriv, 0.0)
+        _, deriv, cols, cmask = pair_tile(Q, SQ, rows, rmask, sq_r, start, M, D, stride, s, eps, LOG, BM, BN, BD)
         q_cols = tl.load(Q + cols[:, None] * stride + dims[None, :], mask=cmask[:, None] & dmask[None, :], other=0.0)
         acc += tl.dot(deriv, q_cols, input_precision="ieee")
         rowsum += tl.sum(deriv, axis=1)
