@@ -337,3 +337,12 @@ def test_weight_normalized_linear_backward():
     zero_row = torch.zeros(C, D, dtype=torch.float64, requires_grad=True)
     _WeightNormalizedLinear.apply(x, zero_row, 1e-12).sum().backward()
     assert bool(torch.isfinite(zero_row.grad).all())
+
+
+def test_reaching_schedule_hits_its_floor_on_time():
+    sched = LambdaSchedule.reaching(5.0, steps=100)
+    assert sched.value(0) == 1000.0 and sched.value(40) == pytest.approx(5.0) and sched.value(99) == 5.0
+    assert sched.value(39) > 5.0
+    assert LambdaSchedule.reaching(0.0, steps=100).value(40) == pytest.approx(1.0)
+    with pytest.raises(ValueError):
+        LambdaSchedule.reaching(5.0, steps=0)

@@ -118,3 +118,9 @@ def test_verification_accuracy_perfect_random_and_bad_args():
         metrics.verification_accuracy(scores[:5], same[:5], folds=10)
     with pytest.raises(ValueError):
         metrics.verification_accuracy(scores[:100], same.long())
+
+
+def test_pair_cosines():
+    feats = torch.tensor([[1.0, 0.0], [0.0, 2.0], [3.0, 3.0]])
+    cos = metrics.pair_cosines(feats, torch.tensor([[0, 1], [0, 2], [1, 1]]))
+    torch.testing.assert_close(cos, torch.tensor([0.0, 2 ** -0.5, 1.0]))

@@ -28,9 +28,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .models import conv_weights
+
 __all__ = [
     "padding_for", "cross_correlate", "convolve", "kernel_correlation", "autocorrelation",
-    "feature_maps", "feature_map_similarity", "conv_similarity", "pair_similarity", "iterative_initialization",
+    "feature_maps", "feature_map_similarity", "conv_similarity", "pair_similarity", "model_similarity",
+    "iterative_initialization",
 ]
 
 MODES = ("full", "same", "valid")
@@ -255,6 +258,15 @@ def conv_similarity(weight: Tensor, mode: str | int = "full", method: str = "aut
 
 
 
+def model_similarity(model: torch.nn.Module, mode: str | int = "full", method: str = "auto",
+                     normalized: bool = False) -> Tensor:
+    """The sum of :func:`conv_similarity` over every conv layer of ``model`` (the paper's sum over layers)."""
+    weights = conv_weights(model)
+    if not weights:
+        raise ValueError("the model has no convolution layer")
+    return sum(conv_similarity(w, mode, method, normalized) for w in weights)
+
+
 def iterative_initialization(model: torch.nn.Module, steps: int, lr: float = 1e-3, betas=(0.9, 0.999),
                              mode: str | int = "full", normalized: bool = False) -> dict[str, list[float]]:
     """Minimise the summed L_CS of every conv layer with Adam before training (paper Algorithm 1).
@@ -268,8 +280,6 @@ def iterative_initialization(model: torch.nn.Module, steps: int, lr: float = 1e-
         steps (int): number of Adam steps I >= 0 (the paper uses 500 for its CNNs, 200 for ResNet-18).
         lr (float), betas: Adam settings (paper: 1e-3 and (0.5, 0.999) for ResNet-18).
     """
-    from .models import conv_weights
-
     if not isinstance(steps, int) or steps < 0:
         raise ValueError(f"steps must be an integer >= 0, got {steps!r}")
     weights = conv_weights(model)
@@ -279,7 +289,7 @@ def iterative_initialization(model: torch.nn.Module, steps: int, lr: float = 1e-
     history: dict[str, list[float]] = {"loss": [], "squared_norm": []}
 
     def layer_loss() -> Tensor:
-        loss = sum(conv_similarity(w, mode, "auto", normalized) for w in weights)
+        loss = model_similarity(model, mode, "auto", normalized)
         history["loss"].append(float(loss.detach()))
         history["squared_norm"].append(float(sum(w.detach().pow(2).sum() for w in weights)))
         return loss

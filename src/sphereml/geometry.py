@@ -20,6 +20,8 @@ import math
 import torch
 from torch import Tensor
 
+from ._checks import real_number
+
 __all__ = [
     "normalize", "cosine_matrix", "safe_angle", "angle_matrix", "sample_sphere", "chebyshev_cos", "psi",
 ]
@@ -179,8 +181,7 @@ def psi(theta: Tensor, m: int | float) -> Tensor:
     Returns:
         Tensor of the same shape as ``theta``.
     """
-    if isinstance(m, bool) or not isinstance(m, (int, float)) or not m >= 1:
-        raise ValueError(f"m must be a number >= 1, got {m!r}")
+    m = real_number("m", m, at_least=1.0)
     k = torch.floor(theta.detach() * m / math.pi).clamp(0, math.ceil(m) - 1)
     sign = 1 - 2 * torch.remainder(k, 2)  # (-1)^k
     return sign * torch.cos(m * theta) - 2 * k

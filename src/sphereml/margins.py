@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ._checks import real_number
 from .geometry import _check_integer_margin, chebyshev_cos, normalize, psi
 
 __all__ = [
@@ -68,10 +69,9 @@ class LambdaSchedule(nn.Module):
 
     def __init__(self, base: float = 1000.0, gamma: float = 0.12, power: float = 1.0, lambda_min: float = 0.0):
         super().__init__()
-        for name, value in {"base": base, "gamma": gamma, "power": power, "lambda_min": lambda_min}.items():
-            if not math.isfinite(value) or value < 0:
-                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
-        self.base, self.gamma, self.power, self.lambda_min = float(base), float(gamma), float(power), float(lambda_min)
+        self.base, self.gamma, self.power, self.lambda_min = (
+            real_number(name, value, at_least=0.0)
+            for name, value in (("base", base), ("gamma", gamma), ("power", power), ("lambda_min", lambda_min)))
         self.register_buffer("step", torch.zeros((), dtype=torch.long))
 
     @classmethod
@@ -83,6 +83,20 @@ class LambdaSchedule(nn.Module):
     def sphereface(cls) -> "LambdaSchedule":
         """The released SphereFace face model: base 1000, gamma 0.12, power 1, lambda_min 5."""
         return cls(base=1000.0, gamma=0.12, power=1.0, lambda_min=5.0)
+
+    @classmethod
+    def reaching(cls, lambda_min: float, steps: int, fraction: float = 0.4, base: float = 1000.0) -> "LambdaSchedule":
+        """A power-1 schedule from ``base`` that reaches ``lambda_min`` after ``fraction * steps`` steps.
+
+        The released schedules assume tens of thousands of iterations; this compresses the same
+        shape into a short run.  A floor of 0 is treated as 1 for the timing (it is then approached
+        like 1 / t).
+        """
+        if not isinstance(steps, int) or steps < 1:
+            raise ValueError(f"steps must be an integer >= 1, got {steps!r}")
+        fraction = real_number("fraction", fraction, above=0.0)
+        gamma = (base / max(lambda_min, 1.0) - 1.0) / max(fraction * steps, 1.0)
+        return cls(base=base, gamma=max(gamma, 0.0), power=1.0, lambda_min=lambda_min)
 
     def value(self, step: int | None = None) -> float:
         """lambda at ``step`` (default: the current step)."""
@@ -174,9 +188,7 @@ class _WeightNormalizedLinear(torch.autograd.Function):
 def _check_scale(s: float | None, allow_none: bool) -> float | None:
     if s is None and allow_none:
         return None
-    if isinstance(s, bool) or not isinstance(s, (int, float)) or not math.isfinite(s) or s <= 0:
-        raise ValueError(f"scale s must be a finite number > 0{' or None' if allow_none else ''}, got {s!r}")
-    return float(s)
+    return real_number("scale s", s, above=0.0)
 
 
 class _MarginHead(nn.Module):
@@ -226,25 +238,30 @@ class _MarginHead(nn.Module):
         return self.logits(features)
 
     def margin_logits(self, features: Tensor, labels: Tensor) -> Tensor:
-        """Training logits: the target column replaced by its margin form. Tensor[B, C].
+        """Training logits: the target column replaced by its margin form. Tensor[B, C]."""
+        return self._with_margin(self.logits(features), features, labels)
 
-        Only B values change, so the margin costs O(B) on top of the logits' matmul: the
+    def _with_margin(self, logits: Tensor, features: Tensor, labels: Tensor) -> Tensor:
+        """Only B values change, so the margin costs O(B) on top of the logits' matmul: the
         target cosine is the target logit divided by its scale (0 for a zero feature), and
-        the new target logit is written back with ``scatter``.
-        """
-        logits = self.logits(features)
+        the new target logit is written back with ``scatter``."""
         self._check_labels(features, labels)
         idx = labels[:, None]
         logit_y, scale_y = logits.gather(1, idx), self._scale(features, labels)  # (B, 1) each
         cos_y = (logit_y / scale_y.clamp_min(1e-12)).clamp(-1.0, 1.0)
         return logits.scatter(1, idx, self._target(cos_y, logit_y, scale_y))
 
-    def loss(self, features: Tensor, labels: Tensor) -> Tensor:
-        """Mean cross-entropy of :meth:`margin_logits`; advances the lambda schedule in training mode."""
-        value = F.cross_entropy(self.margin_logits(features, labels), labels)
+    def loss_and_logits(self, features: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
+        """(:meth:`loss`, the margin-free logits detached) from one logits computation."""
+        logits = self.logits(features)
+        value = F.cross_entropy(self._with_margin(logits, features, labels), labels)
         if self.training and self.schedule is not None:
             self.schedule.advance()
-        return value
+        return value, logits.detach()
+
+    def loss(self, features: Tensor, labels: Tensor) -> Tensor:
+        """Mean cross-entropy of :meth:`margin_logits`; advances the lambda schedule in training mode."""
+        return self.loss_and_logits(features, labels)[0]
 
 
 class NormalizedSoftmaxLoss(_MarginHead):
@@ -280,9 +297,9 @@ def _init_lambda(head: _MarginHead, lambda_: float | LambdaSchedule) -> None:
     if isinstance(lambda_, LambdaSchedule):
         head.schedule = lambda_
         head.lambda_ = None
-    elif isinstance(lambda_, (int, float)) and not isinstance(lambda_, bool) and lambda_ >= 0:
+    elif isinstance(lambda_, (int, float)) and not isinstance(lambda_, bool):
         head.schedule = None
-        head.lambda_ = float(lambda_)
+        head.lambda_ = math.inf if lambda_ == math.inf else real_number("lambda_", lambda_, at_least=0.0)
     else:
         raise ValueError(f"lambda_ must be a number >= 0 or a LambdaSchedule, got {lambda_!r}")
 
@@ -354,9 +371,7 @@ class ASoftmaxLoss(NormalizedSoftmaxLoss):
                  lambda_: float | LambdaSchedule = 0.0, s: float | None = None, detach_margin: bool = False):
         super().__init__(in_features, num_classes, s=s)
         if detach_margin:
-            if isinstance(m, bool) or not isinstance(m, (int, float)) or not math.isfinite(m) or m < 1:
-                raise ValueError(f"m must be a finite number >= 1, got {m!r}")
-            self.m = float(m)
+            self.m = real_number("m", m, at_least=1.0)
         else:
             self.m = _check_integer_margin(m)
         self.detach_margin = detach_margin
@@ -380,9 +395,7 @@ class CosFaceLoss(NormalizedSoftmaxLoss):
 
     def __init__(self, in_features: int, num_classes: int, s: float = 30.0, m: float = 0.35):
         super().__init__(in_features, num_classes, s=_check_scale(s, allow_none=False))
-        if isinstance(m, bool) or not isinstance(m, (int, float)) or not math.isfinite(m) or m < 0:
-            raise ValueError(f"margin m must be a finite number >= 0, got {m!r}")
-        self.m = float(m)
+        self.m = real_number("margin m", m, at_least=0.0)
 
     def _target(self, cos_y, logit_y, scale_y):
         return scale_y * (cos_y - self.m)
@@ -403,9 +416,7 @@ class ArcFaceLoss(NormalizedSoftmaxLoss):
 
     def __init__(self, in_features: int, num_classes: int, s: float = 64.0, m: float = 0.5):
         super().__init__(in_features, num_classes, s=_check_scale(s, allow_none=False))
-        if isinstance(m, bool) or not isinstance(m, (int, float)) or not 0 <= m < math.pi:
-            raise ValueError(f"angular margin m must be in [0, pi), got {m!r}")
-        self.m = float(m)
+        self.m = real_number("angular margin m", m, at_least=0.0, below=math.pi)
 
     def _target(self, cos_y, logit_y, scale_y):
         return scale_y * arcface_psi(cos_y, self.m)
@@ -420,5 +431,4 @@ def head_loss(model: nn.Module, x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
     Returns:
         (the head's margin loss, the margin-free logits, detached) for the features of ``x``.
     """
-    features = model.features(x)
-    return model.head.loss(features, y), model.head.logits(features).detach()
+    return model.head.loss_and_logits(model.features(x), y)

@@ -15,7 +15,7 @@ __all__ = [
     "accuracy", "true_class_confidence", "angular_visual_hardness", "roc_auc", "spearman",
     "class_directions", "angle_only_accuracy", "histogram_bayes_classifier", "histogram_bayes_accuracy",
     "norm_only_accuracy", "polar_angle", "polar_angle_accuracy",
-    "angular_fisher_score", "sample_pairs", "verification_accuracy",
+    "angular_fisher_score", "sample_pairs", "pair_cosines", "verification_accuracy",
 ]
 
 
@@ -215,6 +215,12 @@ def sample_pairs(labels: Tensor, n_pairs: int, generator: torch.Generator | None
     same = torch.cat([torch.ones(half, dtype=torch.bool), torch.zeros(len(differ), dtype=torch.bool)])
     order = torch.randperm(len(pairs), generator=generator)
     return pairs[order], same[order]
+
+
+def pair_cosines(features: Tensor, pairs: Tensor) -> Tensor:
+    """cos between the features of each pair (Tensor[P, 2] of indices): the verification score. Tensor[P]."""
+    unit = normalize(features)
+    return (unit[pairs[:, 0]] * unit[pairs[:, 1]]).sum(1)
 
 
 def _best_threshold(scores: Tensor, same: Tensor) -> float:

@@ -8,22 +8,19 @@
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import Tensor, nn
 
-from .convsim import conv_similarity
-from .energy import hyperspherical_energy
+from ._checks import real_number
+from .convsim import model_similarity
+from .energy import METRICS, hyperspherical_energy
 from .models import conv_weights
 
 __all__ = ["orthonormality_penalty", "Orthonormality", "ConvSimilarity", "MHE"]
 
 
 def _check_weight_factor(name: str, value: float) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-        raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
-    return float(value)
+    return real_number(name, value, at_least=0.0)
 
 
 def orthonormality_penalty(weight: Tensor) -> Tensor:
@@ -69,10 +66,7 @@ class ConvSimilarity:
 
     def loss(self, model: nn.Module) -> Tensor:
         """The unweighted sum of L_CS over the conv layers of ``model``."""
-        weights = conv_weights(model)
-        if not weights:
-            raise ValueError("the model has no convolution layer")
-        return sum(conv_similarity(w, self.mode, self.method, self.normalized) for w in weights)
+        return model_similarity(model, self.mode, self.method, self.normalized)
 
     def __call__(self, model: nn.Module) -> Tensor:
         return self.beta * self.loss(model)
@@ -109,7 +103,10 @@ class MHE:
                  lambda_hidden: float = 1.0, lambda_output: float = 1.0, backend: str = "auto"):
         self.lambda_hidden = _check_weight_factor("lambda_hidden", lambda_hidden)
         self.lambda_output = _check_weight_factor("lambda_output", lambda_output)
-        self.s, self.half_space, self.metric, self.backend = s, half_space, metric, backend
+        if metric not in METRICS:
+            raise ValueError(f"metric must be one of {METRICS}, got {metric!r}")
+        self.s = real_number("s", s, at_least=0.0)
+        self.half_space, self.metric, self.backend = half_space, metric, backend
         output = _output_module(model)
         self.hidden = [m for m in model.modules()
                        if isinstance(m, (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Linear)) and m is not output
@@ -118,24 +115,21 @@ class MHE:
         self.output = output if use_output else None
         if not self.hidden and self.output is None:
             raise ValueError("the model has no layer with at least 2 neurons to regularise")
-        hyperspherical_energy(torch.eye(2), s=s, metric=metric, backend="dense")  # validates s and metric
+
+    def _energy(self, layer: nn.Module, half_space: bool) -> Tensor:
+        return hyperspherical_energy(layer.weight, self.s, self.metric, half_space, backend=self.backend)
 
     def energies(self) -> dict[str, Tensor]:
         """The hidden-layer energies (list order = module order) and the output energy."""
-        hidden = [hyperspherical_energy(m.weight, self.s, self.metric, self.half_space, backend=self.backend)
-                  for m in self.hidden]
-        out = {"hidden": hidden}
+        out = {"hidden": [self._energy(m, self.half_space) for m in self.hidden]}
         if self.output is not None:
-            out["output"] = hyperspherical_energy(self.output.weight, self.s, self.metric, False, backend=self.backend)
+            out["output"] = self._energy(self.output, False)  # classifier neurons: full space (§5.3.4)
         return out
 
     def __call__(self, model: nn.Module | None = None) -> Tensor:
         total = torch.zeros(())
         if self.lambda_hidden > 0:
-            for m in self.hidden:
-                energy = hyperspherical_energy(m.weight, self.s, self.metric, self.half_space, backend=self.backend)
-                total = total + self.lambda_hidden * energy
+            total = total + self.lambda_hidden * sum(self._energy(m, self.half_space) for m in self.hidden)
         if self.output is not None:
-            energy = hyperspherical_energy(self.output.weight, self.s, self.metric, False, backend=self.backend)
-            total = total + self.lambda_output * energy
+            total = total + self.lambda_output * self._energy(self.output, False)
         return total

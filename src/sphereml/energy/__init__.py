@@ -16,11 +16,10 @@ triton on CUDA when it is importable, otherwise tiled above ``TILED_ABOVE`` poin
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import Tensor
 
+from .._checks import real_number
 from ..geometry import normalize
 from .dense import dense_energy
 from .kernels import METRICS, pair_values
@@ -34,9 +33,7 @@ TILED_ABOVE = 2048
 
 
 def _check_s(s: float) -> float:
-    if isinstance(s, bool) or not isinstance(s, (int, float)) or not math.isfinite(s) or s < 0:
-        raise ValueError(f"s must be a finite number >= 0, got {s!r}")
-    return float(s)
+    return real_number("s", s, at_least=0.0)
 
 
 def _points(w: Tensor, metric: str, half_space: bool, weights: Tensor | None) -> Tensor:
