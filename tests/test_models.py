@@ -43,8 +43,9 @@ def test_bad_layer_names_and_shapes():
         get_layer("spherical", "conv")
     with pytest.raises(ValueError, match="layer must be a name"):
         get_layer(3, "conv")
-    with pytest.raises(ValueError, match="divisible by"):
-        ConvNet(1, 2, widths=(4, 4, 4), image_size=28)
+    with pytest.raises(ValueError, match="too small for 3"):
+        ConvNet(1, 2, widths=(4, 4, 4), image_size=7)
+    assert ConvNet(1, 2, widths=(4, 4, 4), image_size=28)(torch.zeros(1, 1, 28, 28)).shape == (1, 2)  # 28->14->7->3
 
 
 def test_classifier_exposes_features_and_weight():

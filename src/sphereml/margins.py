@@ -19,7 +19,11 @@ head                       scale                   psi(theta_y)       source
 ``ASoftmaxLoss``           ||x|| or s              eq. 2.6            eq. 2.20, L_m
 ``CosFaceLoss``            s                       cos(theta) - m     L_a1
 ``ArcFaceLoss``            s                       cos(theta + m)     L_a2
+``GASoftmaxLoss``          ||x|| or s              g(m theta)         eq. 3.11 (3.10: m = 1)
 =========================  ======================  =================  =====================
+
+(``GASoftmaxLoss`` replaces cos by the SphereConv angular function g of Ch. 3 in every
+logit, so its logits are a scale times g(theta_j) rather than times cos(theta_j).)
 
 Note [margin without arccos]
     The multiplicative psi needs the branch index k = floor(m theta / pi).  k is
@@ -39,11 +43,12 @@ from torch import Tensor, nn
 
 from ._checks import real_number
 from .geometry import _check_integer_margin, chebyshev_cos, normalize, psi
+from .sphereconv import _check_angular, angular_activation, angular_function, stable_arccos
 
 __all__ = [
     "LambdaSchedule", "multiplicative_psi", "arcface_psi",
     "NormalizedSoftmaxLoss", "LSoftmaxLoss", "ASoftmaxLoss", "CosFaceLoss", "ArcFaceLoss",
-    "head_loss",
+    "GASoftmaxLoss", "WSoftmaxLoss", "head_loss",
 ]
 
 _ACOS_EPS = 1e-7  # keeps arccos (no_grad only) away from +-1
@@ -248,8 +253,12 @@ class _MarginHead(nn.Module):
         self._check_labels(features, labels)
         idx = labels[:, None]
         logit_y, scale_y = logits.gather(1, idx), self._scale(features, labels)  # (B, 1) each
-        cos_y = (logit_y / scale_y.clamp_min(1e-12)).clamp(-1.0, 1.0)
+        cos_y = self._target_cosine(features, labels, logit_y, scale_y)
         return logits.scatter(1, idx, self._target(cos_y, logit_y, scale_y))
+
+    def _target_cosine(self, features: Tensor, labels: Tensor, logit_y: Tensor, scale_y: Tensor) -> Tensor:
+        """cos(theta_y), Tensor[B, 1]: here the target logit over its scale (logits are scale * cos)."""
+        return (logit_y / scale_y.clamp_min(1e-12)).clamp(-1.0, 1.0)
 
     def loss_and_logits(self, features: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
         """(:meth:`loss`, the margin-free logits detached) from one logits computation."""
@@ -423,6 +432,80 @@ class ArcFaceLoss(NormalizedSoftmaxLoss):
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, m={self.m}"
+
+
+class GASoftmaxLoss(_MarginHead):
+    """Generalised angular softmax, GA-Softmax (thesis eq. 3.11), and W-Softmax (eq. 3.10, ``m = 1``).
+
+    Class weights are normalised; the logit of class j is ||x|| g(theta_j) (or s g(theta_j)
+    with a fixed scale ``s``: the S-Softmax of App. B.3, features normalised too), with g a
+    SphereConv angular function (:func:`~sphereml.sphereconv.angular_function`).  The target
+    logit becomes ||x|| g(m theta_y):
+
+    * linear: 1 - 2 m theta / pi, strictly decreasing on all of [0, pi] with slope -2m/pi,
+      range [1 - 2m, 1] (the same range as psi) and no piecewise extension (§3.3);
+    * sigmoid: the tanh form continued past pi (monotone, below -1 there);
+    * cosine: cos(m theta) is not monotone, so the psi extension of eq. 2.6 is used, which
+      makes cosine GA-Softmax exactly A-Softmax (integer m).
+
+    Args:
+        in_features (int), num_classes (int): d and C.
+        m (int or float): angular multiple >= 1 (an integer for cosine). Default: 4.
+        angular (str): ``"linear"``, ``"cosine"`` or ``"sigmoid"``. Default: ``"linear"``.
+        k (float): sigmoid curvature > 0. Default: 0.3.
+        s (float, optional): constant logit scale (S-Softmax); None uses ||x||. Default: None.
+        lambda_ (float or LambdaSchedule): annealing weight as in :class:`ASoftmaxLoss`. Default: 0.
+    """
+
+    def __init__(self, in_features: int, num_classes: int, m: int | float = 4, angular: str = "linear",
+                 k: float = 0.3, s: float | None = None, lambda_: float | LambdaSchedule = 0.0):
+        super().__init__(in_features, num_classes)
+        self.angular = _check_angular(angular)
+        self.m = _check_integer_margin(m) if self.angular == "cosine" else real_number("m", m, at_least=1.0)
+        self.k = real_number("k", k, above=0.0)
+        self.s = _check_scale(s, allow_none=True)
+        _init_lambda(self, lambda_)
+
+    def _g(self, cos: Tensor) -> Tensor:
+        return angular_activation(cos, self.angular, self.k)
+
+    def logits(self, features: Tensor) -> Tensor:
+        cos = self.cosine(features)  # (B, C)
+        return self._scale_of(features) * self._g(cos)
+
+    def _scale_of(self, features: Tensor) -> Tensor:
+        if self.s is None:
+            return torch.linalg.vector_norm(features, dim=1, keepdim=True)  # (B, 1)
+        return features.new_full((features.shape[0], 1), self.s)
+
+    def _scale(self, features, labels):
+        return self._scale_of(features)
+
+    def _target_cosine(self, features, labels, logit_y, scale_y):
+        w_y = normalize(self.weight)[labels]  # (B, d)
+        return (normalize(features) * w_y).sum(1, keepdim=True).clamp(-1.0, 1.0)
+
+    def _target(self, cos_y, logit_y, scale_y):
+        if self.angular == "cosine":
+            margin = multiplicative_psi(cos_y, self.m)
+        else:
+            margin = angular_function(self.m * stable_arccos(cos_y), self.angular, self.k)
+        return _anneal(logit_y, scale_y * margin, _current_lambda(self))
+
+    def extra_repr(self) -> str:
+        text = f"in_features={self.in_features}, num_classes={self.num_classes}, m={self.m}, angular={self.angular!r}"
+        return text + (f", k={self.k}" if self.angular == "sigmoid" else "") + f", s={self.s}"
+
+
+class WSoftmaxLoss(GASoftmaxLoss):
+    """Weight-normalised softmax, W-Softmax (thesis eq. 3.10): :class:`GASoftmaxLoss` with ``m = 1``.
+
+    Cosine W-Softmax is the modified softmax of eq. 2.18.
+    """
+
+    def __init__(self, in_features: int, num_classes: int, angular: str = "cosine", k: float = 0.3,
+                 s: float | None = None):
+        super().__init__(in_features, num_classes, m=1, angular=angular, k=k, s=s)
 
 
 def head_loss(model: nn.Module, x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:

@@ -21,7 +21,7 @@ from torch import Tensor, nn
 
 __all__ = [
     "LayerType", "get_layer", "conv_weights", "ConvNet", "MLP", "Classifier", "ConvAutoencoder", "BlockCNN",
-    "ResNet", "resnet18",
+    "ResNet", "resnet18", "plain_cnn", "spherenet", "resnet", "sphere_resnet",
 ]
 
 LayerType = Union[str, Callable[..., nn.Module], None]
@@ -90,8 +90,8 @@ class ConvNet(nn.Module):
             raise ValueError(
                 f"need feature_dim >= 1, non-empty widths and depth >= 1, got {feature_dim}, {widths}, {depth}"
             )
-        if image_size % (2 ** len(widths)):
-            raise ValueError(f"image_size {image_size} must be divisible by 2**len(widths) = {2 ** len(widths)}")
+        if image_size < 2 ** len(widths):
+            raise ValueError(f"image_size {image_size} is too small for {len(widths)} 2x2 poolings")
         conv = get_layer(conv_layer, "conv")
         linear = get_layer(linear_layer, "linear")
         act = get_layer(act_layer, "relu")
@@ -104,7 +104,7 @@ class ConvNet(nn.Module):
                 channels = width
             layers.append(nn.MaxPool2d(2))
         self.body = nn.Sequential(*layers)
-        side = image_size // 2 ** len(widths)
+        side = image_size // 2 ** len(widths)  # each max-pool floors: 28 -> 14 -> 7 -> 3
         self.feature = linear(channels * side * side, feature_dim)
         self.feature_act = act() if feature_act else nn.Identity()
         self.feature_dim = feature_dim
@@ -257,14 +257,15 @@ class BlockCNN(nn.Module):
 
 
 class _BasicBlock(nn.Module):
-    def __init__(self, cin: int, cout: int, stride: int, conv, norm, act):
+    def __init__(self, cin: int, cout: int, stride: int, conv, norm, act, shortcut_conv=None):
         super().__init__()
         self.conv1, self.bn1 = conv(cin, cout, 3, stride=stride, padding=1, bias=False), norm(cout)
         self.conv2, self.bn2 = conv(cout, cout, 3, padding=1, bias=False), norm(cout)
         self.act = act()
         self.shortcut = nn.Identity()
         if stride != 1 or cin != cout:
-            self.shortcut = nn.Sequential(conv(cin, cout, 1, stride=stride, bias=False), norm(cout))
+            shortcut_conv = shortcut_conv or conv
+            self.shortcut = nn.Sequential(shortcut_conv(cin, cout, 1, stride=stride, bias=False), norm(cout))
 
     def forward(self, x: Tensor) -> Tensor:
         h = self.act(self.bn1(self.conv1(x)))
@@ -278,20 +279,22 @@ class ResNet(nn.Module):
         blocks (tuple[int]): basic blocks per stage; (2, 2, 2, 2) is ResNet-18.
         widths (tuple[int]): channels per stage; stages after the first halve the resolution.
         conv_layer, norm_layer, act_layer: operator factories (see :func:`get_layer`).
+        shortcut_layer: the 1x1 projection of shortcuts that change shape; ``conv_layer`` when None.
     """
 
     def __init__(self, blocks: tuple[int, ...] = (2, 2, 2, 2), widths: tuple[int, ...] = (64, 128, 256, 512),
                  in_channels: int = 3, num_classes: int = 10, conv_layer: LayerType = None,
-                 norm_layer: LayerType = "batchnorm", act_layer: LayerType = None):
+                 norm_layer: LayerType = "batchnorm", act_layer: LayerType = None, shortcut_layer: LayerType = None):
         super().__init__()
         if len(blocks) != len(widths) or not blocks or min(blocks) < 1:
             raise ValueError(f"blocks and widths need the same non-zero length, got {blocks} and {widths}")
         conv, norm, act = get_layer(conv_layer, "conv"), get_layer(norm_layer, "identity"), get_layer(act_layer, "relu")
+        shortcut = get_layer(shortcut_layer, "conv") if shortcut_layer is not None else conv
         self.stem = nn.Sequential(conv(in_channels, widths[0], 3, padding=1, bias=False), norm(widths[0]), act())
         stages, cin = [], widths[0]
         for i, (n, width) in enumerate(zip(blocks, widths)):
             for j in range(n):
-                stages.append(_BasicBlock(cin, width, 2 if i > 0 and j == 0 else 1, conv, norm, act))
+                stages.append(_BasicBlock(cin, width, 2 if i > 0 and j == 0 else 1, conv, norm, act, shortcut))
                 cin = width
         self.stages = nn.Sequential(*stages)
         self.classifier = nn.Linear(cin, num_classes)
@@ -307,3 +310,68 @@ class ResNet(nn.Module):
 def resnet18(in_channels: int = 3, num_classes: int = 10, **kwargs) -> ResNet:
     """ResNet-18 in its CIFAR form (11.2M parameters for 10 classes)."""
     return ResNet((2, 2, 2, 2), (64, 128, 256, 512), in_channels, num_classes, **kwargs)
+
+
+def _sphere_layers(angular: str, k: float, learnable_k: bool) -> dict:
+    from .sphereconv import SphereConv2d, SphereLinear  # sphereconv does not import models
+
+    options = {"angular": angular, "k": k, "learnable_k": learnable_k}
+    return {"conv_layer": partial(SphereConv2d, **options), "linear_layer": partial(SphereLinear, **options)}
+
+
+def plain_cnn(depth: int = 9, widths: tuple[int, int, int] = (64, 96, 128), in_channels: int = 3,
+              image_size: int = 32, feature_dim: int = 256, conv_layer: LayerType = None,
+              linear_layer: LayerType = None, norm_layer: LayerType = "batchnorm",
+              act_layer: LayerType = "relu") -> ConvNet:
+    """CNN-N of thesis Table B.1: three stages of depth / 3 [3x3 conv -> norm -> act], each ending in a
+    2x2 max-pool, then a fully connected layer of ``feature_dim`` (256) units with the activation.
+
+    ``depth`` counts the conv layers (CNN-3, 9, 18, 45, 60, 69: 1, 3, 6, 15, 20, 23 per stage).
+    Wrap it in a :class:`Classifier` to add the softmax (or a margin) head.
+    """
+    if isinstance(depth, bool) or not isinstance(depth, int) or depth < 3 or depth % 3:
+        raise ValueError(f"depth must be a positive multiple of 3 (CNN-3, CNN-9, ...), got {depth!r}")
+    if len(widths) != 3:
+        raise ValueError(f"widths must give the three stages' channels, got {widths!r}")
+    return ConvNet(in_channels, feature_dim, tuple(widths), depth // 3, image_size, conv_layer, linear_layer,
+                   act_layer, norm_layer, feature_act=True)
+
+
+def spherenet(depth: int = 9, angular: str = "cosine", k: float = 0.5, learnable_k: bool = False,
+              sphere_fc: bool = True, **kwargs) -> ConvNet:
+    """SphereNet-N (thesis §3.4, Table B.1): :func:`plain_cnn` with every conv a
+    :class:`~sphereml.sphereconv.SphereConv2d` and, if ``sphere_fc``, the 256-unit layer a
+    :class:`~sphereml.sphereconv.SphereLinear`, all with the same angular function.
+    Other keyword arguments go to :func:`plain_cnn`.
+    """
+    layers = _sphere_layers(angular, k, learnable_k)
+    if not sphere_fc:
+        layers.pop("linear_layer")
+    return plain_cnn(depth, **layers, **kwargs)
+
+
+def resnet(depth: int = 32, widths: tuple[int, int, int] = (64, 96, 128), in_channels: int = 3,
+           num_classes: int = 10, **kwargs) -> ResNet:
+    """ResNet-N of thesis Table B.2: a 3x3 stem, then three stages of (depth - 2) / 6 basic blocks.
+
+    ``widths`` (64, 96, 128) is the ablation ResNet-32; (96, 192, 384) the one of Table 3.4.
+    Other keyword arguments (``conv_layer``, ``norm_layer``, ``act_layer``, ``shortcut_layer``) go
+    to :class:`ResNet`.
+    """
+    if isinstance(depth, bool) or not isinstance(depth, int) or depth < 8 or (depth - 2) % 6:
+        raise ValueError(f"depth must be 6n + 2 with n >= 1 (ResNet-8, 14, 20, 32, ...), got {depth!r}")
+    if len(widths) != 3:
+        raise ValueError(f"widths must give the three stages' channels, got {widths!r}")
+    n = (depth - 2) // 6
+    return ResNet((n, n, n), tuple(widths), in_channels, num_classes, **kwargs)
+
+
+def sphere_resnet(depth: int = 32, angular: str = "cosine", k: float = 0.5, learnable_k: bool = False,
+                  sphere_shortcut: bool = True, **kwargs) -> ResNet:
+    """SphereResNet-N: :func:`resnet` with SphereConv in every conv layer.
+
+    ``sphere_shortcut=False`` keeps ordinary 1x1 convolutions in the projection shortcuts (the
+    "v2" of thesis §3.4.6; "v1" uses SphereConv there too).
+    """
+    conv = _sphere_layers(angular, k, learnable_k)["conv_layer"]
+    return resnet(depth, conv_layer=conv, shortcut_layer=None if sphere_shortcut else "conv", **kwargs)
