@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from torch.utils.data import TensorDataset
 
 from sphereml import data
 from sphereml.data import DataError
@@ -241,3 +242,23 @@ def test_subset_filter_split():
     assert len(a) == 160 and len(b) == 40
     with pytest.raises(ValueError, match="test_fraction must be in"):
         data.split_dataset(ds, 1.5)
+
+
+def test_random_crop_flip_keeps_shapes_and_content():
+    from sphereml.data import RandomCropFlip
+
+    images = torch.arange(2 * 3 * 8 * 8, dtype=torch.float32).view(2, 3, 8, 8)
+    labels = torch.tensor([0, 1])
+    aug = RandomCropFlip(TensorDataset(images, labels), padding=2, hflip=True, vflip=True)
+    torch.manual_seed(0)
+    seen = set()
+    for _ in range(40):
+        x, y = aug[1]
+        assert x.shape == (3, 8, 8) and int(y) == 1
+        assert set(x.unique().tolist()) <= set(images[1].unique().tolist()) | {0.0}  # shifted pixels or padding
+        seen.add(tuple(x.flatten()[:5].tolist()))
+    assert len(seen) > 5  # the crops and flips vary
+    plain = RandomCropFlip(TensorDataset(images, labels), padding=0, hflip=False)
+    assert torch.equal(plain[0][0], images[0])
+    with pytest.raises(ValueError, match="padding"):
+        RandomCropFlip(TensorDataset(images, labels), padding=-1)

@@ -188,6 +188,11 @@ def test_fused_activation_equals_autograd_path(angular, k):
     torch.testing.assert_close(results[0][0], results[1][0])
     torch.testing.assert_close(results[0][1][:-1], results[1][1][:-1])
     assert torch.isfinite(results[0][1]).all()  # c = +-1: both floored, finite
+    c = cos.clone().requires_grad_(True)
+    out = angular_activation(c * 1.0, angular, k)  # (a non-leaf, so cosine may be modified in place too)
+    out.relu_()  # a following in-place activation must not corrupt the backward pass
+    (grad,) = torch.autograd.grad((out * weights).sum(), c)
+    torch.testing.assert_close(grad, results[1][1] * (results[1][0] > 0))
     interior = cos[:20].clone().requires_grad_(True)
     assert torch.autograd.gradcheck(lambda c: angular_activation(c, angular, k), (interior,))
 
@@ -294,11 +299,12 @@ def test_bad_arguments():
 
 def test_layers_are_found_by_regularisers_and_factories():
     net = models.spherenet(9, angular="sigmoid", k=0.3, widths=(4, 6, 8), in_channels=1, image_size=28,
-                           feature_dim=16)
+                           feature_dim=16, sphere_fc=True)
     convs = [m for m in net.modules() if isinstance(m, torch.nn.Conv2d)]
     assert len(convs) == 9 and all(isinstance(m, SphereConv2d) and m.angular == "sigmoid" for m in convs)
     assert isinstance(net.feature, SphereLinear)
     assert net(torch.randn(2, 1, 28, 28)).shape == (2, 16)
+    assert type(models.spherenet(3, widths=(4, 6, 8), feature_dim=16).feature) is torch.nn.Linear
     expected = sum(orthonormality_penalty(m.weight) for m in convs)
     torch.testing.assert_close(Orthonormality(beta=1.0)(net), expected)
     plain = models.plain_cnn(18, in_channels=3, image_size=32)

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from torch.utils.data import TensorDataset
+from torch.utils.data import Dataset, TensorDataset
 
 from .geometry import normalize, sample_sphere
 
@@ -36,6 +36,7 @@ __all__ = [
     "load_fashion_mnist",
     "load_digits",
     "load_cifar",
+    "RandomCropFlip",
     "sphere_clusters",
     "take_subset",
     "filter_classes",
@@ -267,6 +268,42 @@ def load_cifar(num_classes: int = 10, split: str = "train", root=None, download:
     x = torch.from_numpy(np.concatenate(images)).float().div_(255.0)
     y = torch.from_numpy(np.concatenate(labels))
     return TensorDataset(x, y)
+
+
+class RandomCropFlip(Dataset):
+    """Standard CIFAR augmentation on the fly: zero-pad by ``padding``, crop back at random, flip at random.
+
+    The thesis's "CIFAR-10+" (§3.4.5) uses random crops with horizontal *and* vertical flips
+    (``vflip=True``); the usual recipe flips horizontally only.
+
+    Args:
+        dataset (TensorDataset): images Tensor[N, C, H, W] and labels.
+        padding (int): pixels of zero padding before the crop (0: no crop). Default: 4.
+        hflip, vflip (bool): flip left-right / upside-down with probability 1/2. Default: True, False.
+    """
+
+    def __init__(self, dataset: TensorDataset, padding: int = 4, hflip: bool = True, vflip: bool = False):
+        if not isinstance(padding, int) or padding < 0:
+            raise ValueError(f"padding must be an integer >= 0, got {padding!r}")
+        images, self.labels = dataset.tensors
+        if images.dim() != 4:
+            raise ValueError(f"images must be Tensor[N, C, H, W], got shape {tuple(images.shape)}")
+        self.padding, self.hflip, self.vflip = padding, hflip, vflip
+        self.images = torch.nn.functional.pad(images, [padding] * 4) if padding else images
+        self.size = images.shape[-2:]
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, i: int):
+        h, w = self.size
+        top, left = (torch.randint(0, 2 * self.padding + 1, (2,)).tolist() if self.padding else (0, 0))
+        x = self.images[i, :, top:top + h, left:left + w]
+        if self.hflip and torch.rand(()) < 0.5:
+            x = x.flip(-1)
+        if self.vflip and torch.rand(()) < 0.5:
+            x = x.flip(-2)
+        return x, self.labels[i]
 
 
 # ---------------------------------------------------------------------- synthetic

@@ -338,11 +338,14 @@ def plain_cnn(depth: int = 9, widths: tuple[int, int, int] = (64, 96, 128), in_c
 
 
 def spherenet(depth: int = 9, angular: str = "cosine", k: float = 0.5, learnable_k: bool = False,
-              sphere_fc: bool = True, **kwargs) -> ConvNet:
+              sphere_fc: bool = False, **kwargs) -> ConvNet:
     """SphereNet-N (thesis §3.4, Table B.1): :func:`plain_cnn` with every conv a
-    :class:`~sphereml.sphereconv.SphereConv2d` and, if ``sphere_fc``, the 256-unit layer a
-    :class:`~sphereml.sphereconv.SphereLinear`, all with the same angular function.
-    Other keyword arguments go to :func:`plain_cnn`.
+    :class:`~sphereml.sphereconv.SphereConv2d` with the same angular function.
+
+    The thesis does not say whether the 256-unit fully connected layer is a SphereConv too;
+    ``sphere_fc=True`` makes it a :class:`~sphereml.sphereconv.SphereLinear` (its outputs, and so
+    the features, are then bounded by 1 per unit; chapter 3 measures both).  Other keyword
+    arguments go to :func:`plain_cnn`.
     """
     layers = _sphere_layers(angular, k, learnable_k)
     if not sphere_fc:
