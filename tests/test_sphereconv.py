@@ -10,7 +10,13 @@ from sphereml import models
 from sphereml.margins import ASoftmaxLoss, GASoftmaxLoss, NormalizedSoftmaxLoss, WSoftmaxLoss
 from sphereml.regularizers import Orthonormality, orthonormality_penalty
 from sphereml.sphereconv import (
-    ANGULAR, SphereConv2d, SphereLinear, SphereNorm, angular_activation, angular_function, sphere_conv2d,
+    ANGULAR,
+    SphereConv2d,
+    SphereLinear,
+    SphereNorm,
+    angular_activation,
+    angular_function,
+    sphere_conv2d,
     sphere_linear,
 )
 
@@ -277,6 +283,8 @@ def test_bad_arguments():
         angular_function(torch.zeros(3), "sigmoid", -1.0)
     with pytest.raises(ValueError, match="kernel_size"):
         SphereConv2d(3, 4, 0)
+    with pytest.raises(ValueError, match="kernel_size"):
+        SphereConv2d(3, 4, 3.0)
     with pytest.raises(ValueError, match="stride"):
         SphereConv2d(3, 4, 3, stride=(1, 0))
     with pytest.raises(ValueError, match="padding"):
@@ -353,7 +361,7 @@ def test_ga_with_m1_is_w_softmax_and_margin_raises_loss(angular):
                               WSoftmaxLoss(5, 4, angular).double(),
                               GASoftmaxLoss(5, 4, m=3, angular=angular).double())
     torch.testing.assert_close(one.loss(x, y), w.loss(x, y))
-    assert float(ga.loss(x, y)) > float(w.loss(x, y))
+    assert float(ga.loss(x, y).detach()) > float(w.loss(x, y).detach())
     assert w(x).abs().max() <= x.norm(dim=1).max() + 1e-12  # logits are ||x|| g(theta)
 
 

@@ -2,7 +2,8 @@
 
 Modules (one concept each): :mod:`~sphereml.geometry`, :mod:`~sphereml.data`,
 :mod:`~sphereml.models`, :mod:`~sphereml.train`, :mod:`~sphereml.metrics`,
-:mod:`~sphereml.margins`, :mod:`~sphereml.sphereconv`, :mod:`~sphereml.energy`, :mod:`~sphereml.convsim`, :mod:`~sphereml.regularizers`,
+:mod:`~sphereml.margins`, :mod:`~sphereml.sphereconv`, :mod:`~sphereml.energy`, :mod:`~sphereml.convsim`,
+:mod:`~sphereml.regularizers`,
 :mod:`~sphereml.viz`, :mod:`~sphereml.book`.
 """
 
