@@ -41,8 +41,8 @@ Note [zero patch]
 Note [angle for linear and sigmoid]
     Linear and sigmoid g need theta = arccos(c), whose derivative -1 / sqrt(1 - c^2) is
     infinite at c = +-1 (a patch parallel to its kernel).  :class:`_Arccos` keeps the exact
-    value arccos(c) but floors 1 - c^2 at 1e-10 in the backward pass, so |d theta / d c| is
-    at most 1e5 (and it is multiplied by dc/dx, which vanishes there).  Clamping c away
+    value arccos(c) but floors 1 - c^2 at 1e-10 in the backward pass, so d theta / d c is
+    at most 1e5 in magnitude (and it is multiplied by dc/dx, which vanishes there).  Clamping c away
     from +-1 instead (as :func:`~sphereml.geometry.safe_angle` does) would shift the output
     by up to sqrt(2 eps) radians at the poles.  Cosine g is computed from c directly and
     never touches arccos.
@@ -133,32 +133,32 @@ class _AngularFromCos(torch.autograd.Function):
 
     dg/dc = g'(theta) * (-1 / sin theta), with 1 - c^2 floored as in :class:`_Arccos`, and
     g'(theta) = -2/pi (linear) or -sech^2(u) / (2k tanh(pi / 4k)) with u = (pi/2 - theta) / 2k
-    (sigmoid; sech^2 = 1 - tanh^2, recomputed from the saved c).  The backward pass is
-    then one in-place elementwise chain on the saved c instead of a chain of autograd
-    nodes: 1.6x -> 1.3x of ``nn.Conv2d`` forward + backward for linear and sigmoid at 64
-    channels, 32x32, batch 32 on our 2-core CPU (``benchmarks/bench_sphereconv.py``).
+    (sigmoid; sech^2 = 1 - tanh^2 from the saved tanh).  The backward pass is then one
+    in-place elementwise chain on the saved tensors instead of a chain of autograd
+    nodes: from 1.6x to 1.3-1.5x of ``nn.Conv2d`` forward + backward for linear and sigmoid
+    at 64 channels, 32x32, batch 32 on our 2-core CPU (``benchmarks/bench_sphereconv.py``).
     """
 
     @staticmethod
     def forward(ctx, cos: Tensor, angular: str, k: float) -> Tensor:
         cos = cos.clamp(-1.0, 1.0)
-        out = torch.arccos(cos)  # theta, then g(theta) in place (angular_function without the copies)
-        if angular == "linear":
-            out.mul_(-2.0 / math.pi).add_(1.0)
-        else:
-            out.sub_(math.pi / 2.0).mul_(-0.5 / k).tanh_().mul_(1.0 / math.tanh(math.pi / (4.0 * k)))
-        ctx.save_for_backward(cos)  # not ``out``: a following in-place ReLU would modify it
+        theta = torch.arccos(cos)  # then g(theta) in place (angular_function without the copies)
         ctx.angular, ctx.k = angular, k
-        return out
+        if angular == "linear":
+            ctx.save_for_backward(cos)
+            return theta.mul_(-2.0 / math.pi).add_(1.0)
+        th = theta.sub_(math.pi / 2.0).mul_(-0.5 / k).tanh_()  # tanh((pi/2 - theta) / 2k)
+        ctx.save_for_backward(cos, th)  # not the output: a following in-place ReLU may modify it
+        return th * (1.0 / math.tanh(math.pi / (4.0 * k)))
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        (cos,) = ctx.saved_tensors
+        cos = ctx.saved_tensors[0]
         slope = (cos * cos).neg_().add_(1.0).clamp_min_(_POLE_FLOOR).rsqrt_()  # 1 / sin(theta)
         if ctx.angular == "linear":
             return slope.mul_(grad).mul_(2.0 / math.pi), None, None
         t = math.tanh(math.pi / (4.0 * ctx.k))
-        sech2 = torch.arccos(cos).sub_(math.pi / 2.0).mul_(-0.5 / ctx.k).tanh_().square_().neg_().add_(1.0)
+        sech2 = ctx.saved_tensors[1].square().neg_().add_(1.0)  # 1 - tanh^2
         return slope.mul_(sech2).mul_(grad).mul_(1.0 / (2.0 * ctx.k * t)), None, None  # -g'(theta) / sin(theta)
 
 
