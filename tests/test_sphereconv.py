@@ -220,6 +220,20 @@ def test_finite_gradients_on_zero_and_constant_inputs(angular, k):
     torch.testing.assert_close(interior, torch.ones_like(interior), atol=2e-3, rtol=0)
 
 
+def test_half_precision_and_channels_last_inputs():
+    """Patch norms are summed in float32 (x^2 overflows float16 above 256); any memory layout works."""
+    torch.manual_seed(14)
+    layer = SphereConv2d(4, 6, 3, padding=1, groups=2)
+    x = torch.randn(2, 4, 7, 7) * 300
+    ref = layer(x)
+    out = layer.half()(x.half())
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=0)
+    layer.float()
+    channels_last = layer(x.contiguous(memory_format=torch.channels_last))  # oneDNN picks another algorithm
+    torch.testing.assert_close(channels_last, ref, atol=5e-4, rtol=0)
+
+
 def test_learnable_k_stays_positive_and_round_trips():
     torch.manual_seed(6)
     layer = SphereConv2d(3, 5, 3, angular="sigmoid", learnable_k=True)

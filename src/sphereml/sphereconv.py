@@ -202,10 +202,12 @@ def _patch_norm(x: Tensor, kernel_size: tuple[int, int], stride, padding, dilati
     See Note [patch norm by convolution] and Note [zero patch].
     """
     b, c, h, w = x.shape
-    energy = (x * x).view(b, groups, c // groups, h, w).sum(2)  # (B, groups, H, W)
-    ones = x.new_ones(groups, 1, *kernel_size)
-    sq = F.conv2d(energy, ones, None, stride, padding, dilation, groups)  # (B, groups, H', W')
-    return sq.clamp_min(eps * eps).sqrt()
+    with torch.autocast(x.device.type, enabled=False):  # squares overflow float16 above 256: sum in float32
+        x = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+        energy = x.square().reshape(b, groups, c // groups, h, w).sum(2)  # (B, groups, H, W)
+        ones = x.new_ones(groups, 1, *kernel_size)
+        sq = F.conv2d(energy, ones, None, stride, padding, dilation, groups)  # (B, groups, H', W')
+        return sq.clamp_min(eps * eps).sqrt()
 
 
 def sphere_cosine2d(x: Tensor, weight: Tensor, stride=1, padding=0, dilation=1, groups: int = 1,
