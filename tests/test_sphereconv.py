@@ -18,6 +18,7 @@ from sphereml.sphereconv import (
     angular_function,
     sphere_conv2d,
     sphere_linear,
+    stable_arccos,
 )
 
 ANGULAR_CASES = [("linear", 0.5), ("cosine", 0.5), ("sigmoid", 0.3), ("sigmoid", 2.0)]
@@ -182,23 +183,27 @@ def test_gradcheck_conv_and_linear(angular, k):
 
 @pytest.mark.parametrize("angular,k", ANGULAR_CASES)
 def test_fused_activation_equals_autograd_path(angular, k):
-    """A number k takes the fused autograd node, a tensor k plain autograd: same values and gradients."""
+    """The fused nodes (number k, tensor k) equal plain autograd through angular_function(stable_arccos)."""
     cos = torch.cat([torch.rand(20, dtype=torch.float64) * 2 - 1, torch.linspace(-1, 1, 41, dtype=torch.float64)])
     weights = torch.randn_like(cos)
     results = []
-    for kk in (k, torch.tensor(k, dtype=torch.float64)):
+    k_tensor = torch.tensor(k, dtype=torch.float64)
+    reference = lambda c_, a_, k_: angular_function(stable_arccos(c_), a_, k_)  # noqa: E731
+    for kk, fn in ((k, angular_activation), (k_tensor, angular_activation), (k_tensor, reference)):
         c = cos.clone().requires_grad_(True)
-        out = angular_activation(c, angular, kk)
+        out = fn(c, angular, kk)
         (grad,) = torch.autograd.grad((out * weights).sum(), c)
         results.append((out, grad))
-    torch.testing.assert_close(results[0][0], results[1][0])
-    torch.testing.assert_close(results[0][1][:-1], results[1][1][:-1])
+    interior = cos.abs() < 1  # at c = +-1 the gradients are floored differently (all finite)
+    for other in results[:2]:
+        torch.testing.assert_close(other[0], results[2][0])
+        torch.testing.assert_close(other[1][interior], results[2][1][interior])
     assert torch.isfinite(results[0][1]).all()  # c = +-1: both floored, finite
     c = cos.clone().requires_grad_(True)
     out = angular_activation(c * 1.0, angular, k)  # (a non-leaf, so cosine may be modified in place too)
     out.relu_()  # a following in-place activation must not corrupt the backward pass
     (grad,) = torch.autograd.grad((out * weights).sum(), c)
-    torch.testing.assert_close(grad, results[1][1] * (results[1][0] > 0))
+    torch.testing.assert_close(grad, results[0][1] * (results[0][0] > 0))
     interior = cos[:20].clone().requires_grad_(True)
     assert torch.autograd.gradcheck(lambda c: angular_activation(c, angular, k), (interior,))
 
@@ -253,6 +258,12 @@ def test_learnable_k_stays_positive_and_round_trips():
         layer.k = torch.full((5,), 0.3)  # assignable through right_inverse
     torch.testing.assert_close(layer.k, torch.full((5,), 0.3))
     assert "learnable_k=True" in repr(layer)
+
+
+def test_per_channel_k_gradient_gradcheck():
+    cos = (torch.rand(3, 4, 5, 5, dtype=torch.float64) * 1.8 - 0.9).requires_grad_(True)
+    k = (torch.rand(4, 1, 1, dtype=torch.float64) + 0.1).requires_grad_(True)
+    assert torch.autograd.gradcheck(lambda c, kk: angular_activation(c, "sigmoid", kk), (cos, k))
 
 
 def test_learnable_k_gradient_matches_finite_differences():
