@@ -43,5 +43,5 @@ def run(device: torch.device) -> dict:
     for label, layer in layers.items():
         candidates[label] = lambda m=layer: step(lambda: m(x))
     candidates["unfold cosine (port style)"] = lambda: step(lambda: unfold_sphere_conv(x, conv.weight))
-    return compare("sphereconv_fwd_bwd", candidates, baseline="nn.Conv2d", device=device, repeats=15,
+    return compare("sphereconv_fwd_bwd", candidates, baseline="nn.Conv2d", device=device, repeats=30,
                    extra={"batch": B, "channels": C, "size": H, "kernel": K})

@@ -235,8 +235,13 @@ def test_half_precision_and_channels_last_inputs():
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=0)
     layer.float()
-    channels_last = layer(x.contiguous(memory_format=torch.channels_last))  # oneDNN picks another algorithm
+    x.requires_grad_(True)
+    (grad_ref,) = torch.autograd.grad((layer(x) * ref).sum(), x)
+    x_cl = x.detach().contiguous(memory_format=torch.channels_last).requires_grad_(True)
+    channels_last = layer(x_cl)  # oneDNN picks another algorithm
+    (grad_cl,) = torch.autograd.grad((channels_last * ref).sum(), x_cl)
     torch.testing.assert_close(channels_last, ref, atol=5e-4, rtol=0)
+    torch.testing.assert_close(grad_cl, grad_ref, atol=1e-5, rtol=1e-3)
 
 
 def test_learnable_k_stays_positive_and_round_trips():

