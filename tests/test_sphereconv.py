@@ -289,6 +289,16 @@ def test_learnable_k_gradient_matches_finite_differences():
     torch.testing.assert_close(raw.grad, torch.tensor(numeric, dtype=torch.float64), atol=1e-7, rtol=1e-6)
 
 
+@pytest.mark.parametrize("angular", ANGULAR)
+def test_output_may_be_modified_in_place(angular):
+    """SphereConv -> ReLU(inplace=True), the pattern of a network without BatchNorm, backpropagates."""
+    torch.manual_seed(15)
+    net = torch.nn.Sequential(SphereConv2d(3, 4, 3, padding=1, angular=angular), torch.nn.ReLU(inplace=True))
+    x = torch.randn(2, 3, 6, 6, requires_grad=True)
+    net(x).sum().backward()
+    assert torch.isfinite(x.grad).all() and torch.isfinite(net[0].weight.grad).all()
+
+
 def test_sphere_norm_is_per_sample_unlike_batch_norm():
     torch.manual_seed(8)
     norm = SphereNorm(3, 4, 3, padding=1)

@@ -135,8 +135,8 @@ class _AngularFromCos(torch.autograd.Function):
     g'(theta) = -2/pi (linear) or -sech^2(u) / (2k tanh(pi / 4k)) with u = (pi/2 - theta) / 2k
     (sigmoid; sech^2 = 1 - tanh^2 from the saved tanh).  The backward pass is then one
     in-place elementwise chain on the saved tensors instead of a chain of autograd
-    nodes: from 1.6x to 1.3-1.5x of ``nn.Conv2d`` forward + backward for linear and sigmoid
-    at 64 channels, 32x32, batch 32 on our 2-core CPU (``benchmarks/bench_sphereconv.py``).
+    nodes: from about 1.6x to 1.35-1.55x of ``nn.Conv2d`` forward + backward for linear and
+    sigmoid at 64 channels, 32x32, batch 32 on our 2-core CPU (``benchmarks/bench_sphereconv.py``).
     """
 
     @staticmethod
@@ -170,7 +170,7 @@ class _SigmoidFromCos(torch.autograd.Function):
         dg/dk = -sech^2(u) u / (k T) + tanh(u) (1 - T^2) pi / (4 k^2 T^2),
 
     summed over every axis that k was broadcast along.  (Autograd through the same formula
-    takes 1.8-2.0x ``nn.Conv2d`` on our CPU, this node 1.6-1.8x; ``benchmarks/bench_sphereconv.py``.)
+    takes 1.8-2.0x ``nn.Conv2d`` on our CPU, this node about 1.6x; ``benchmarks/bench_sphereconv.py``.)
     """
 
     @staticmethod
@@ -258,7 +258,7 @@ class _DivideByPatchNorm(torch.autograd.Function):
     The clamp only removes rounding (the inner product never exceeds the norm product) and
     passes the gradient through.  Four elementwise passes over the B x C x H x W tensors
     instead of autograd's eight: 1.46x -> 1.17x of ``nn.Conv2d`` forward + backward at 64
-    channels, 32x32, batch 32 on our 2-core CPU.  The norms are summed in float32 (x^2
+    channels, 32x32, batch 32, in one A/B run on our 2-core CPU.  The norms are summed in float32 (x^2
     overflows float16 above 256).
     """
 
@@ -273,10 +273,12 @@ class _DivideByPatchNorm(torch.autograd.Function):
             sq = F.conv2d(energy, ones, None, stride, padding, dilation, groups)  # (B, G, H', W')
         norm = sq.clamp_min(eps * eps).sqrt_()
         bo, co, ho, wo = inner.shape
-        cos = (inner.reshape(bo, groups, co // groups, ho, wo) / norm.unsqueeze(2)).clamp_(-1.0, 1.0)
+        cos = torch.empty_like(inner)  # written through a grouped view, returned as a fresh tensor (not a view)
+        grouped = (bo, groups, co // groups, ho, wo)
+        torch.div(inner.view(grouped), norm.unsqueeze(2), out=cos.view(grouped))
         ctx.save_for_backward(inner, x, norm, sq)
         ctx.conv = (kernel_size, stride, padding, dilation, groups, eps, energy.shape)
-        return cos.reshape(bo, co, ho, wo)
+        return cos.clamp_(-1.0, 1.0)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
