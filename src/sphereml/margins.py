@@ -466,12 +466,9 @@ class GASoftmaxLoss(_MarginHead):
         self.s = _check_scale(s, allow_none=True)
         _init_lambda(self, lambda_)
 
-    def _g(self, cos: Tensor) -> Tensor:
-        return angular_activation(cos, self.angular, self.k)
-
     def logits(self, features: Tensor) -> Tensor:
         cos = self.cosine(features)  # (B, C)
-        return self._scale_of(features) * self._g(cos)
+        return self._scale_of(features) * angular_activation(cos, self.angular, self.k)
 
     def _scale_of(self, features: Tensor) -> Tensor:
         if self.s is None:

@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .sphereconv import SphereConv2d, SphereLinear
+
 __all__ = [
     "LayerType", "get_layer", "conv_weights", "ConvNet", "MLP", "Classifier", "ConvAutoencoder", "BlockCNN",
     "ResNet", "resnet18", "plain_cnn", "spherenet", "resnet", "sphere_resnet",
@@ -313,8 +315,6 @@ def resnet18(in_channels: int = 3, num_classes: int = 10, **kwargs) -> ResNet:
 
 
 def _sphere_layers(angular: str, k: float, learnable_k: bool) -> dict:
-    from .sphereconv import SphereConv2d, SphereLinear  # sphereconv does not import models
-
     options = {"angular": angular, "k": k, "learnable_k": learnable_k}
     return {"conv_layer": partial(SphereConv2d, **options), "linear_layer": partial(SphereLinear, **options)}
 

@@ -58,6 +58,7 @@ from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
 from ._checks import real_number
+from .geometry import normalize
 
 __all__ = [
     "ANGULAR", "stable_arccos", "angular_function", "angular_activation", "sphere_cosine2d", "sphere_conv2d",
@@ -105,6 +106,11 @@ def angular_function(theta: Tensor, angular: str = "cosine", k: float | Tensor =
 _POLE_FLOOR = 1e-10  # floor on 1 - c^2 in d arccos / dc, Note [angle for linear and sigmoid]
 
 
+def _inverse_sine(cos: Tensor) -> Tensor:
+    """1 / sin(theta) = 1 / sqrt(1 - c^2), with 1 - c^2 floored (Note [angle for linear and sigmoid])."""
+    return (cos * cos).neg_().add_(1.0).clamp_min_(_POLE_FLOOR).rsqrt_()
+
+
 class _Arccos(torch.autograd.Function):
     """arccos(c) on [-1, 1] with the derivative floored at the poles: Note [angle for linear and sigmoid]."""
 
@@ -117,7 +123,7 @@ class _Arccos(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: Tensor) -> Tensor:
         (cos,) = ctx.saved_tensors
-        return -grad * torch.rsqrt((1.0 - cos * cos).clamp_min(_POLE_FLOOR))
+        return _inverse_sine(cos).mul_(grad).neg_()
 
 
 def stable_arccos(cos: Tensor) -> Tensor:
@@ -128,70 +134,60 @@ def stable_arccos(cos: Tensor) -> Tensor:
     return _Arccos.apply(cos)
 
 
-class _AngularFromCos(torch.autograd.Function):
-    """g(arccos(c)) for linear and sigmoid g with a fixed k, in one autograd node.
+class _LinearFromCos(torch.autograd.Function):
+    """Linear g(arccos(c)) = 1 - 2 arccos(c) / pi in one autograd node: dg/dc = (2 / pi) / sin(theta).
 
-    dg/dc = g'(theta) * (-1 / sin theta), with 1 - c^2 floored as in :class:`_Arccos`, and
-    g'(theta) = -2/pi (linear) or -sech^2(u) / (2k tanh(pi / 4k)) with u = (pi/2 - theta) / 2k
-    (sigmoid; sech^2 = 1 - tanh^2 from the saved tanh).  The backward pass is then one
-    in-place elementwise chain on the saved tensors instead of a chain of autograd
-    nodes: from about 1.6x to 1.35-1.55x of ``nn.Conv2d`` forward + backward for linear and
-    sigmoid at 64 channels, 32x32, batch 32 on our 2-core CPU (``benchmarks/bench_sphereconv.py``).
+    One node instead of a chain of autograd nodes: from about 1.6x to 1.35-1.45x of
+    ``nn.Conv2d`` forward + backward at 64 channels, 32x32, batch 32 on our 2-core CPU
+    (``benchmarks/bench_sphereconv.py``).
     """
 
     @staticmethod
-    def forward(ctx, cos: Tensor, angular: str, k: float) -> Tensor:
+    def forward(ctx, cos: Tensor) -> Tensor:
         cos = cos.clamp(-1.0, 1.0)
-        theta = torch.arccos(cos)  # then g(theta) in place (angular_function without the copies)
-        ctx.angular, ctx.k = angular, k
-        if angular == "linear":
-            ctx.save_for_backward(cos)
-            return theta.mul_(-2.0 / math.pi).add_(1.0)
-        th = theta.sub_(math.pi / 2.0).mul_(-0.5 / k).tanh_()  # tanh((pi/2 - theta) / 2k)
-        ctx.save_for_backward(cos, th)  # not the output: a following in-place ReLU may modify it
-        return th * (1.0 / math.tanh(math.pi / (4.0 * k)))
+        ctx.save_for_backward(cos)
+        return torch.arccos(cos).mul_(-2.0 / math.pi).add_(1.0)
 
     @staticmethod
-    def backward(ctx, grad: Tensor):
-        cos = ctx.saved_tensors[0]
-        slope = (cos * cos).neg_().add_(1.0).clamp_min_(_POLE_FLOOR).rsqrt_()  # 1 / sin(theta)
-        if ctx.angular == "linear":
-            return slope.mul_(grad).mul_(2.0 / math.pi), None, None
-        t = math.tanh(math.pi / (4.0 * ctx.k))
-        sech2 = ctx.saved_tensors[1].square().neg_().add_(1.0)  # 1 - tanh^2
-        return slope.mul_(sech2).mul_(grad).mul_(1.0 / (2.0 * ctx.k * t)), None, None  # -g'(theta) / sin(theta)
+    def backward(ctx, grad: Tensor) -> Tensor:
+        (cos,) = ctx.saved_tensors
+        return _inverse_sine(cos).mul_(grad).mul_(2.0 / math.pi)
 
 
 class _SigmoidFromCos(torch.autograd.Function):
-    """Sigmoid g(arccos(c)) with a tensor k (learnable SphereConv), gradients for c and k in one node.
+    """Sigmoid g(arccos(c)) = tanh(u) / T in one autograd node, u = (pi/2 - theta) / 2k, T = tanh(pi / 4k).
 
-    With u = (pi/2 - theta) / 2k and T = tanh(pi / 4k), g = tanh(u) / T and
+    k is a tensor broadcast against c (a number k arrives as a 0-d tensor).  With sech^2 = 1 - tanh^2
+    from the saved tanh(u),
 
-        dg/dk = -sech^2(u) u / (k T) + tanh(u) (1 - T^2) pi / (4 k^2 T^2),
+        dg/dc = sech^2(u) / (2k T sin(theta)),
+        dg/dk = -sech^2(u) u / (k T) + tanh(u) (1 - T^2) pi / (4 k^2 T^2)   (summed over the broadcast axes).
 
-    summed over every axis that k was broadcast along.  (Autograd through the same formula
-    takes 1.8-2.0x ``nn.Conv2d`` on our CPU, this node about 1.6x; ``benchmarks/bench_sphereconv.py``.)
+    u is saved only when k needs a gradient.  Against autograd through :func:`angular_function`:
+    1.6x -> 1.35-1.55x of ``nn.Conv2d`` for a fixed k, 1.8-2.0x -> about 1.6x for a learned one
+    (``benchmarks/bench_sphereconv.py``).  The output itself is not saved: a following in-place
+    ReLU may modify it.
     """
 
     @staticmethod
     def forward(ctx, cos: Tensor, k: Tensor) -> Tensor:
         cos = cos.clamp(-1.0, 1.0)
         u = torch.arccos(cos).sub_(math.pi / 2.0).neg_().div_(2.0 * k)  # (pi/2 - theta) / 2k
+        keep_u = ctx.needs_input_grad[1]
+        th = torch.tanh(u) if keep_u else u.tanh_()
         t = torch.tanh(math.pi / (4.0 * k))
-        ctx.save_for_backward(cos, u, k, t)
-        return torch.tanh(u).div_(t)
+        ctx.save_for_backward(cos, th, u if keep_u else None, k, t)
+        return th / t
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        cos, u, k, t = ctx.saved_tensors
-        th = torch.tanh(u)
+        cos, th, u, k, t = ctx.saved_tensors
         sech2 = th.square().neg_().add_(1.0)
         grad_cos = grad_k = None
         if ctx.needs_input_grad[0]:
-            slope = (cos * cos).neg_().add_(1.0).clamp_min_(_POLE_FLOOR).rsqrt_()  # 1 / sin(theta)
-            grad_cos = slope.mul_(sech2).mul_(grad).div_(2.0 * k * t)
+            grad_cos = _inverse_sine(cos).mul_(sech2).mul_(grad).div_(2.0 * k * t)
         if ctx.needs_input_grad[1]:
-            dg_dk = sech2.mul_(u).div_(-k * t).add_(th.mul_((1.0 - t * t) * math.pi / (4.0 * k * k * t * t)))
+            dg_dk = sech2.mul_(u).div_(-k * t).add_(th * ((1.0 - t * t) * math.pi / (4.0 * k * k * t * t)))
             grad_k = dg_dk.mul_(grad).sum_to_size(k.shape)
         return grad_cos, grad_k
 
@@ -201,23 +197,26 @@ def angular_activation(cos: Tensor, angular: str = "cosine", k: float | Tensor =
 
     Args:
         cos (Tensor): cosines in [-1, 1].
-        angular (str), k (float or Tensor): as in :func:`angular_function`; each case is one
-            fused autograd node (a tensor k, e.g. a learned one, gets its gradient too).
+        angular (str), k (float or Tensor): as in :func:`angular_function`; linear and sigmoid
+            are one fused autograd node each (a tensor k, e.g. a learned one, gets its gradient too).
 
     Returns:
         Tensor shaped like ``cos`` with values in [-1, 1].
     """
-    if _check_angular(angular) == "cosine":
+    angular = _check_angular(angular)
+    if angular == "cosine":
         return cos
-    if isinstance(k, Tensor):
-        if angular == "sigmoid":
-            return _SigmoidFromCos.apply(cos, k)
-        k = 0.5  # the linear g does not use k
-    return _AngularFromCos.apply(cos, angular, _check_k(k))
+    if angular == "linear":
+        return _LinearFromCos.apply(cos)
+    k = _check_k(k)
+    return _SigmoidFromCos.apply(cos, k if isinstance(k, Tensor) else cos.new_tensor(k))
 
 
 def _pair(value, name: str, minimum: int) -> tuple[int, int]:
-    pair = (value, value) if isinstance(value, int) else tuple(value) if isinstance(value, (tuple, list)) else ()
+    if isinstance(value, int):
+        pair = (value, value)
+    else:
+        pair = tuple(value) if isinstance(value, (tuple, list)) else ()
     if len(pair) != 2 or any(isinstance(v, bool) or not isinstance(v, int) or v < minimum for v in pair):
         raise ValueError(f"{name} must be an integer >= {minimum} or a pair of them, got {value!r}")
     return pair
@@ -233,9 +232,9 @@ def _check_padding(padding) -> str | tuple[int, int]:
 
 def _explicit_padding(x: Tensor, padding, kernel_size, stride, dilation) -> tuple[Tensor, tuple[int, int]]:
     """Turn ``'valid'`` / ``'same'`` into numbers (padding x first when 'same' is asymmetric)."""
+    padding = _check_padding(padding)
     if not isinstance(padding, str):
-        return x, _pair(padding, "padding", 0)
-    _check_padding(padding)
+        return x, padding
     if padding == "valid":
         return x, (0, 0)
     if stride != (1, 1):
@@ -290,8 +289,8 @@ class _DivideByPatchNorm(torch.autograd.Function):
         grad_inner = (g * inv.unsqueeze(2)).reshape(bo, co, ho, wo).to(inner.dtype)
         grad_x = None
         if ctx.needs_input_grad[1]:
-            grad_norm = (g * inner.reshape(g.shape)).sum(2).mul_(inv.square()).neg_()  # (B, G, H', W')
-            grad_sq = grad_norm.mul_(inv).mul_(0.5).mul_(sq >= eps * eps)
+            # d/ds = (d/dn) / 2n = -sum_j g_j inner_j / (2 n^3), zero where the floor is active
+            grad_sq = (g * inner.reshape(g.shape)).sum(2).mul_(inv.pow(3)).mul_(-0.5).mul_(sq >= eps * eps)
             ones = grad_sq.new_ones(groups, 1, *kernel_size)
             grad_energy = torch.nn.grad.conv2d_input(energy_shape, ones, grad_sq, stride, padding, dilation, groups)
             b, c, h, w = x.shape
@@ -316,7 +315,7 @@ def sphere_cosine2d(x: Tensor, weight: Tensor, stride=1, padding=0, dilation=1, 
     kernel_size = tuple(weight.shape[2:])
     stride, dilation = _pair(stride, "stride", 1), _pair(dilation, "dilation", 1)
     x, padding = _explicit_padding(x, padding, kernel_size, stride, dilation)
-    w_hat = weight / torch.linalg.vector_norm(weight.flatten(1), dim=1).clamp_min(eps).view(-1, 1, 1, 1)
+    w_hat = normalize(weight.flatten(1), eps=eps).view_as(weight)
     inner = F.conv2d(x, w_hat, None, stride, padding, dilation, groups)  # (B, C_out, H', W')
     return _DivideByPatchNorm.apply(inner, x, kernel_size, stride, padding, dilation, groups, eps)
 
@@ -352,9 +351,7 @@ def sphere_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, angular
     Returns:
         Tensor[..., out_features].
     """
-    w_hat = weight / torch.linalg.vector_norm(weight, dim=1, keepdim=True).clamp_min(eps)
-    x_norm = (x * x).sum(-1, keepdim=True).clamp_min(eps * eps).sqrt()  # (..., 1)
-    cos = (F.linear(x, w_hat) / x_norm).clamp(-1.0, 1.0)
+    cos = F.linear(normalize(x, eps=eps), normalize(weight, eps=eps)).clamp(-1.0, 1.0)
     return _add_bias(angular_activation(cos, angular, k), bias, 0)
 
 
