@@ -12,10 +12,10 @@ paper reports about 90 s per convolutional-similarity step for ResNet-18 on an A
 
 import torch
 
-from sphereml.book import write_json
 from sphereml.convsim import conv_similarity
+from sphereml.timing import median_seconds
 
-from .harness import RESULTS, device_name, median_seconds
+from .harness import save
 
 SUBSET = 24
 
@@ -33,7 +33,7 @@ def _fwd_bwd(weight: torch.Tensor, method: str) -> None:
 
 def run(device: torch.device) -> dict:
     g = torch.Generator().manual_seed(0)
-    result = {"benchmark": "convsim_fft_vs_direct", "device": device_name(device), "torch": torch.__version__,
+    result = {"benchmark": "convsim_fft_vs_direct",
               "direct_subset_kernels": SUBSET, "layers": {}}
     for channels in (256, 512):
         weight = torch.randn(channels, channels, 3, 3, generator=g).to(device).requires_grad_(True)
@@ -64,5 +64,5 @@ def run(device: torch.device) -> dict:
     result["paper_resnet18_seconds_per_step"] = 90.0
     print(f"convsim ResNet-18, all {len(weights)} conv layers, forward+backward: {resnet_s * 1e3:.1f} ms "
           f"(paper: about 90 s per step on an A5000)")
-    write_json(result, RESULTS / f"convsim_fft_vs_direct-{device.type}.json")
+    save(result, "convsim_fft_vs_direct", device)
     return result

@@ -1,110 +1,536 @@
 """Hyperspherical energy, forward + backward, s = 2: tiled (and Triton on a GPU) against dense.
 
-Each measurement runs in a fresh subprocess so that its peak resident memory (``ru_maxrss``)
-belongs to that backend alone; on CUDA the peak allocated device memory is used instead.  Times are
-medians of 3 runs, except the slow single runs (dense on the CPU, N = 65,536).
-The dense backend at N = 65,536 is run under an address-space limit of 24 GiB (the size of the
-book's build machine), where it fails to allocate its N x N matrices; the tiled backend
-completes under the same limit.  The baseline of the "within 1.5x" goal is three Gram
-products W W^T of the same size, timed in the same subprocess as the tiled run.
+Each measurement runs in a fresh subprocess (``python -m benchmarks.bench_energy --worker SPEC``),
+so that its peak memory belongs to that backend alone (CPU: resident set, ``ru_maxrss``; CUDA:
+peak allocated device memory), and under a timeout, so one slow case cannot eat the run.
+Times are medians of 3 runs, except the slow single runs (dense on the CPU, N = 65,536,
+N = 2^20).
+
+* CPU: N = 16,384, d = 256: dense, tiled and three Gram products W W^T (the baseline of the
+  "within 1.5x" goal); N = 65,536 under an address-space limit of 24 GiB (the book's build
+  machine), where dense fails to allocate its N x N matrices and tiled completes; the dense /
+  tiled crossover at d = 256 (it sets ``sphereml.energy.TILED_ABOVE``); the Gram error of
+  float32, TF32x3 and TF32 products emulated on the CPU (Note [close pairs]).
+* CUDA (one run, a few minutes): N = 32,768, d = 512: dense; triton under each
+  ``torch.set_float32_matmul_precision`` ("highest" -> ieee, "high" -> tf32, "medium" ->
+  tf32) with three Gram products at the same precision, forward-only times, peak memory, the
+  chosen autotuning configurations, and the error of value and gradient against a float64
+  (tiled) reference; the dense / triton (float32) and dense / tiled (float64) crossovers at
+  d = 256 (they set ``TRITON_ABOVE`` and ``TILED_ABOVE_CUDA``); and N = 2^20, d = 512 with triton
+  (one fwd + bwd) at the most accurate precision whose time, extrapolated from N = 32,768,
+  stays under ``HUGE_TARGET_S``.
+
+``--compile-check`` compiles every kernel configuration for sm_90 on the CPU (no GPU) and
+prints registers and spills from ``ptxas -v``.
+``SPHEREML_BENCH_SMOKE=1`` (or ``--smoke``) runs every case at tiny sizes and saves nothing;
+``--plan cuda`` runs the CUDA plan on CPU tensors (with ``TRITON_INTERPRET=1``), which is how
+``tests/test_energy.py::test_benchmark_smoke`` checks this file without a GPU.  ``--only
+crossover,emulated`` re-measures those parts and merges them into the saved JSON.
 """
 
+from __future__ import annotations
+
+import argparse
 import json
+import os
+import statistics
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import torch
 
-from sphereml.book import write_json
-
-from .harness import RESULTS, device_name
-
-WORKER = r"""
-import json, resource, sys, time, torch
-from sphereml.energy import hyperspherical_energy
-n, d, backend, device, limit = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], int(sys.argv[5])
-if limit:
-    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
-g = torch.Generator().manual_seed(0)
-w = torch.randn(n, d, generator=g).to(device).requires_grad_(True)
-sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-base_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-out = {"n": n, "d": d, "backend": backend}
-try:
-    repeats = 3 if (n <= 16384 and backend != "dense") or device == "cuda" else 1
-    times = []
-    if backend == "gram":
-        u = w.detach()
-        for _ in range(repeats):
-            sync(); t0 = time.perf_counter()
-            for _ in range(3):
-                u @ u.T
-            sync(); times.append(time.perf_counter() - t0)
-    else:
-        hyperspherical_energy(w[:256], backend=backend).backward()  # warm-up (and Triton compile)
-        if device == "cuda":
-            torch.cuda.reset_peak_memory_stats()
-        for _ in range(repeats):
-            w.grad = None
-            sync(); t0 = time.perf_counter()
-            hyperspherical_energy(w, s=2.0, backend=backend).backward()
-            sync(); times.append(time.perf_counter() - t0)
-    out["seconds"] = sorted(times)[len(times) // 2]
-    out["repeats"] = repeats
-    out["ok"] = True
-except (RuntimeError, MemoryError) as exc:
-    out["ok"] = False
-    out["error"] = str(exc).splitlines()[0][:200]
-if device == "cuda":
-    out["peak_bytes"] = torch.cuda.max_memory_allocated()
-else:
-    out["peak_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base_rss
-print(json.dumps(out))
-"""
+from . import harness
 
 GIB = 2**30
+ROOT = Path(__file__).resolve().parents[1]
+PRECISIONS = ("highest", "high", "medium")
+HUGE_TARGET_S = 90.0  # the N = 2^20 run picks the most accurate precision expected to finish within this
+BUDGET_S = float(os.environ.get("SPHEREML_BENCH_BUDGET_S", "480"))  # all subprocesses of one run together
 
 
-def _measure(n: int, d: int, backend: str, device: torch.device, limit: int = 0) -> dict:
-    proc = subprocess.run([sys.executable, "-c", WORKER, str(n), str(d), backend, device.type, str(limit)],
-                          capture_output=True, text=True)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-    if not lines:
-        return {"n": n, "d": d, "backend": backend, "ok": False, "error": (proc.stderr or "killed").strip()[-200:]}
-    return json.loads(lines[-1])
+def _smoke() -> bool:
+    return os.environ.get("SPHEREML_BENCH_SMOKE", "0") == "1"
+
+
+# ---------------------------------------------------------------- the worker (one subprocess per case)
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _rss() -> int:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _reset_peak(device: torch.device) -> int:
+    """Start a peak-memory window; returns the baseline that :func:`_peak` subtracts (CPU: current max RSS)."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        return 0
+    return _rss()
+
+
+def _peak(device: torch.device, base: int) -> int:
+    return torch.cuda.max_memory_allocated() if device.type == "cuda" else _rss() - base
+
+
+def _points(n: int, d: int, device: torch.device, dtype=torch.float32) -> torch.Tensor:
+    if device.type == "cuda" and n * d > 2**26:  # N = 2^20: draw on the device
+        return torch.randn(n, d, device=device, generator=torch.Generator(device).manual_seed(0)).to(dtype)
+    return torch.randn(n, d, generator=torch.Generator().manual_seed(0)).to(device, dtype)
+
+
+def _median_time(fn, device: torch.device, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        _sync(device)
+        start = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _energy_step(w: torch.Tensor, backend: str):
+    from sphereml.energy import hyperspherical_energy
+
+    def step():
+        w.grad = None
+        hyperspherical_energy(w, s=2.0, backend=backend).backward()
+
+    return step
+
+
+def _energy_forward(w: torch.Tensor, backend: str):
+    from sphereml.energy import hyperspherical_energy
+
+    def forward():
+        with torch.no_grad():
+            hyperspherical_energy(w, s=2.0, backend=backend)
+
+    return forward
+
+
+def _three_grams(u: torch.Tensor):
+    def grams():
+        for _ in range(3):
+            u @ u.T
+
+    return grams
+
+
+def _relative_error(approx: torch.Tensor, exact: torch.Tensor) -> float:
+    return float((approx.detach().double().cpu() - exact).norm() / exact.norm())
+
+
+def _case_fwd_bwd(spec: dict, device: torch.device) -> dict:
+    """One backend (or the three Gram products): fwd + bwd median, forward-only median, peak memory."""
+    n, d, backend, repeats = spec["n"], spec["d"], spec["backend"], spec["repeats"]
+    w = _points(n, d, device).requires_grad_(True)
+    if backend == "gram":
+        base = _reset_peak(device)
+        out = {"seconds": _median_time(_three_grams(w.detach()), device, repeats)}
+    else:
+        _energy_step(w[:256].detach().clone().requires_grad_(True), backend)()  # warm-up (and Triton compile)
+        base = _reset_peak(device)
+        out = {"seconds": _median_time(_energy_step(w, backend), device, repeats)}
+        if spec.get("forward"):
+            out["forward_seconds"] = _median_time(_energy_forward(w, backend), device, repeats)
+    out["peak_bytes"] = _peak(device, base)
+    return out
+
+
+def _config(kernel) -> str:
+    """The autotuned configuration of the last launch, e.g. ``BM=64 BN=16 BD=32 BDO=256 warps=8 stages=2``."""
+    cfg = getattr(kernel, "best_config", None)
+    return "?" if cfg is None else _config_text(cfg)
+
+
+def _config_text(cfg) -> str:
+    blocks = [f"{k}={v}" for k, v in cfg.kwargs.items()]
+    return " ".join(blocks + [f"warps={cfg.num_warps}", f"stages={cfg.num_stages}"])
+
+
+def _case_triton_suite(spec: dict, device: torch.device) -> dict:
+    """Triton at each matmul precision: time, forward time, Gram products, peak memory, configs, error vs float64."""
+    from sphereml.energy import _triton_kernels as kernels
+    from sphereml.energy import hyperspherical_energy
+
+    n, d, repeats = spec["n"], spec["d"], spec["repeats"]
+    w = _points(n, d, device).requires_grad_(True)
+    exact_w = w.detach().double().requires_grad_(True)
+    exact_value = hyperspherical_energy(exact_w, s=2.0, backend="tiled")
+    exact_value.backward()
+    exact_value, exact_grad = exact_value.detach().cpu(), exact_w.grad.cpu()
+    del exact_w
+    runs = {}
+    for precision in PRECISIONS:
+        torch.set_float32_matmul_precision(precision)
+        step = _energy_step(w, "triton")
+        started = time.perf_counter()
+        step()  # compile and autotune at this size (the autotuning key holds the precision)
+        _sync(device)
+        tune_seconds = time.perf_counter() - started
+        value = hyperspherical_energy(w, s=2.0, backend="triton")
+        w.grad = None
+        value.backward()
+        errors = {"value_relative_error": _relative_error(value, exact_value),
+                  "grad_relative_error": _relative_error(w.grad, exact_grad)}
+        base = _reset_peak(device)
+        seconds = _median_time(step, device, repeats)
+        peak = _peak(device, base)
+        runs[precision] = {"seconds": seconds, "forward_seconds": _median_time(_energy_forward(w, "triton"), device,
+                                                                               repeats),
+                           "gram_seconds": _median_time(_three_grams(w.detach()), device, repeats),
+                           "peak_bytes": peak, "first_call_seconds": tune_seconds, **errors,
+                           "forward_config": _config(kernels.forward_kernel),
+                           "backward_config": _config(kernels.backward_kernel)}
+    torch.set_float32_matmul_precision("highest")
+    return {"precisions": runs}
+
+
+def _case_crossover(spec: dict, device: torch.device) -> dict:
+    """Round-robin medians of a slow and a fast backend at each size; the size above which fast wins."""
+    from sphereml.timing import compare
+
+    if spec.get("threads"):
+        torch.set_num_threads(spec["threads"])
+    out = {}
+    for dtype_name, slow, fast in spec["pairs"]:
+        dtype = getattr(torch, dtype_name)
+        seconds = {slow: [], fast: []}
+        for n in spec["sizes"]:
+            w = _points(n, spec["d"], device, dtype).requires_grad_(True)
+            timing = compare({b: _energy_step(w, b) for b in (slow, fast)}, slow, device, repeats=spec["repeats"],
+                             warmup=1)
+            for b in (slow, fast):
+                seconds[b].append(timing.seconds[b])
+        faster = [f <= s for f, s in zip(seconds[fast], seconds[slow])]
+        # the recommended threshold: the largest size where slow still wins, if fast wins at every size above
+        above = None if not faster[-1] else max([0] + [n for n, ok in zip(spec["sizes"], faster) if not ok])
+        out[f"{dtype_name} {slow} vs {fast}"] = {"sizes": spec["sizes"], "seconds": seconds, "fast_above": above,
+                                                 "d": spec["d"], "dtype": dtype_name, "slow": slow, "fast": fast,
+                                                 "threads": torch.get_num_threads()}
+    return out
+
+
+def _case_huge(spec: dict, device: torch.device) -> dict:
+    """One triton fwd + bwd at N = 2^20 (after tuning on a prefix, as the launcher itself does)."""
+    from sphereml.energy.triton_backend import TUNE_CAP
+
+    torch.set_float32_matmul_precision(spec["precision"])
+    w = _points(spec["n"], spec["d"], device).requires_grad_(True)
+    _energy_step(w[:TUNE_CAP].detach().clone().requires_grad_(True), "triton")()  # compile + autotune
+    base = _reset_peak(device)
+    seconds = _median_time(_energy_step(w, "triton"), device, 1)
+    return {"seconds": seconds, "peak_bytes": _peak(device, base), "finite_grad": bool(torch.isfinite(w.grad).all())}
+
+
+CASES = {"fwd_bwd": _case_fwd_bwd, "triton_suite": _case_triton_suite, "crossover": _case_crossover,
+         "huge": _case_huge}
+
+
+def worker(spec: dict) -> dict:
+    """Run one case in this process; never raises (an error becomes ``ok: False``)."""
+    device = torch.device(spec["device"])
+    out = {k: v for k, v in spec.items() if k not in ("device", "limit")}
+    if spec.get("limit"):
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_AS, (spec["limit"], spec["limit"]))
+    try:
+        out.update(CASES[spec["kind"]](spec, device))
+        out["ok"] = True
+    except (RuntimeError, MemoryError, ValueError) as exc:
+        out["ok"] = False
+        out["error"] = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+    return out
+
+
+# ---------------------------------------------------------------- the parent: plans, timeouts, report
+
+class _Runner:
+    """Runs specs in subprocesses (or in this process) within one time budget."""
+
+    def __init__(self, device: torch.device, inline: bool):
+        self.device, self.inline = device, inline
+        self.deadline = time.monotonic() + BUDGET_S
+
+    def __call__(self, spec: dict, timeout: float) -> dict:
+        spec = {**spec, "device": self.device.type}
+        if self.inline:
+            return worker(spec)
+        left = self.deadline - time.monotonic()
+        if left < 5:
+            return {**spec, "ok": False, "error": f"skipped: the run's budget of {BUDGET_S:.0f} s is spent"}
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+        try:
+            proc = subprocess.run([sys.executable, "-m", "benchmarks.bench_energy", "--worker", json.dumps(spec)],
+                                  capture_output=True, text=True, cwd=ROOT, env=env, timeout=min(timeout, left))
+        except subprocess.TimeoutExpired:
+            return {**spec, "ok": False, "error": f"timed out after {min(timeout, left):.0f} s"}
+        lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+        if not lines:
+            return {**spec, "ok": False, "error": (proc.stderr or "killed").strip()[-300:]}
+        return json.loads(lines[-1])
 
 
 def _show(r: dict) -> None:
-    if r.get("ok"):
-        print(f"energy N={r['n']:6d} d={r['d']} {r['backend']:6s}: {r['seconds']:8.2f} s, "
-              f"peak memory {r['peak_bytes'] / GIB:6.2f} GiB")
-    else:
-        print(f"energy N={r['n']:6d} d={r['d']} {r['backend']:6s}: failed ({r.get('error')})")
+    label = f"energy N={r.get('n', '-')!s:>7} d={r.get('d', '-')} {r.get('backend', r['kind']):7s}"
+    if not r.get("ok"):
+        print(f"{label}: failed ({r.get('error')})")
+    elif "seconds" in r:
+        extra = f", forward only {r['forward_seconds']:.3f} s" if "forward_seconds" in r else ""
+        print(f"{label}: {r['seconds']:8.3f} s{extra}, peak memory {r['peak_bytes'] / GIB:6.2f} GiB")
 
 
-def run(device: torch.device) -> dict:
-    result = {"benchmark": "energy_fwd_bwd", "device": device_name(device), "torch": torch.__version__, "runs": []}
-    if device.type == "cuda":
-        plan = [(32768, 512, "dense", 0), (32768, 512, "triton", 0), (32768, 512, "gram", 0)]
+def _show_crossover(result: dict) -> None:
+    for name, c in result.items():
+        rows = "  ".join(f"N={n}: {s * 1e3:.1f}/{f * 1e3:.1f} ms" for n, s, f in
+                         zip(c["sizes"], c["seconds"][c["slow"]], c["seconds"][c["fast"]]))
+        print(f"energy crossover d={c['d']} {name} ({c['slow']}/{c['fast']}): {rows}")
+        print(f"energy crossover {name}: {c['fast']} is faster above N = {c['fast_above']}")
+
+
+def emulated_gram_errors(n: int = 512, dims=(3, 64, 512), seed: int = 0) -> dict:
+    """|Gram r^2 - exact r^2| for unit rows with float32, TF32x3 and TF32 products emulated on the CPU.
+
+    TF32 keeps 10 mantissa bits (round to nearest, as ``cvt.rna.tf32.f32``); its products are exact
+    in float32 and accumulated in float32.  TF32x3 splits each operand into a TF32 high part and a
+    TF32 low part and adds three of the four products.  Squared norms are float32, as in the kernel.
+    """
+    def tf32(x):
+        bits = x.view(torch.int32)
+        return ((bits + 0x1000) & ~0x1FFF).view(torch.float32)
+
+    def products(a, kind):
+        if kind == "float32":
+            return a @ a.T
+        hi = tf32(a)
+        if kind == "tf32":
+            return (hi.double() @ hi.double().T).float()
+        lo = tf32(a - hi)
+        return (hi.double() @ hi.double().T + hi.double() @ lo.double().T + lo.double() @ hi.double().T).float()
+
+    from sphereml.energy.kernels import CLOSE_R2
+
+    out = {}
+    for d in dims:
+        q = torch.nn.functional.normalize(torch.randn(n, d, generator=torch.Generator().manual_seed(seed)), dim=1)
+        q64 = q.double()
+        exact = torch.cdist(q64, q64).square()
+        off = ~torch.eye(n, dtype=torch.bool)
+        sq = (q * q).sum(1)
+        for kind in ("float32", "tf32x3", "tf32"):
+            raw = (sq[:, None] + sq[None, :] - 2 * products(q, kind)).double()
+            err = (raw - exact)[off].abs()
+            near = off & (exact >= CLOSE_R2) & (exact < 2 * CLOSE_R2)  # the closest pairs left to the Gram
+            out[f"d={d} {kind}"] = {"max_abs": float(err.max()), "median_abs": float(err.median()),
+                                    "max_relative_near_threshold": float(((raw - exact).abs() / exact)[near].max())
+                                    if bool(near.any()) else None}
+    return out
+
+
+def _cpu_plan(smoke: bool) -> list:
+    n, d, big = (64, 8, 128) if smoke else (16384, 256, 65536)
+    limit = 0 if smoke else 24 * GIB
+    return [dict(kind="fwd_bwd", n=n, d=d, backend="dense", repeats=1, timeout=600),
+            dict(kind="fwd_bwd", n=n, d=d, backend="tiled", repeats=3, timeout=300),
+            dict(kind="fwd_bwd", n=n, d=d, backend="gram", repeats=3, timeout=300),
+            dict(kind="fwd_bwd", n=big, d=d, backend="tiled", repeats=1, limit=limit, timeout=900),
+            dict(kind="fwd_bwd", n=big, d=d, backend="dense", repeats=1, limit=limit, timeout=600)]
+
+
+def _crossover_spec(plan: str, smoke: bool) -> dict:
+    if plan == "cuda":
+        sizes = [32, 64] if smoke else [256, 512, 1024, 2048, 4096, 8192]
+        pairs = [["float32", "dense", "triton"], ["float64", "dense", "tiled"]]
     else:
-        plan = [(16384, 256, "dense", 0), (16384, 256, "tiled", 0), (16384, 256, "gram", 0),
-                (65536, 256, "tiled", 24 * GIB), (65536, 256, "dense", 24 * GIB)]
-    for n, d, backend, limit in plan:
-        r = _measure(n, d, backend, device, limit)
-        r["address_space_limit_gib"] = limit / GIB if limit else None
-        result["runs"].append(r)
-        _show(r)
-    by = {(r["n"], r["backend"]): r for r in result["runs"] if r.get("ok")}
-    n0 = 32768 if device.type == "cuda" else 16384
-    fast = "triton" if device.type == "cuda" else "tiled"
-    if (n0, "dense") in by and (n0, fast) in by:
-        result["speedup_vs_dense"] = by[(n0, "dense")]["seconds"] / by[(n0, fast)]["seconds"]
-        result["memory_ratio_vs_dense"] = by[(n0, fast)]["peak_bytes"] / max(by[(n0, "dense")]["peak_bytes"], 1)
-        print(f"energy N={n0}: {fast} x{result['speedup_vs_dense']:.2f} faster than dense, "
-              f"peak memory {result['memory_ratio_vs_dense']:.3f} of dense")
-    if (n0, "gram") in by and (n0, fast) in by:
-        result["ratio_to_three_gram_products"] = by[(n0, fast)]["seconds"] / by[(n0, "gram")]["seconds"]
-        print(f"energy N={n0}: {fast} takes {result['ratio_to_three_gram_products']:.2f}x the time of three "
-              "W W^T products of the same size")
-    write_json(result, RESULTS / f"energy_fwd_bwd-{device.type}.json")
+        sizes = [16, 32] if smoke else [16, 32, 64, 128, 256, 512, 1024, 2048, 4096]
+        pairs = [["float32", "dense", "tiled"]]
+        # one thread: on the shared 2-core machine two OpenMP threads spent most of a small
+        # case waiting for each other (dense N = 64: 56 ms with 2 threads, 0.8 ms with 1)
+        return dict(kind="crossover", d=16 if smoke else 256, sizes=sizes, pairs=pairs, repeats=5, threads=1,
+                    timeout=300)
+    return dict(kind="crossover", d=16 if smoke else 256, sizes=sizes, pairs=pairs, repeats=3, timeout=150)
+
+
+def _run_cuda_plan(run: _Runner, result: dict, smoke: bool) -> None:
+    n, d = (64, 16) if smoke else (32768, 512)
+    dense = run(dict(kind="fwd_bwd", n=n, d=d, backend="dense", repeats=3, forward=True), timeout=150)
+    result["runs"].append(dense)
+    _show(dense)
+    suite = run(dict(kind="triton_suite", n=n, d=d, repeats=3), timeout=300)
+    result["runs"].append(suite)
+    if not suite.get("ok"):
+        print(f"energy N={n} d={d} triton: failed ({suite.get('error')})")
+    print("energy: Gram products run in cuBLAS at torch's setting (highest: FP32; high and medium: TF32), the triton "
+          "kernel at highest: ieee, high and medium: tf32")
+    for precision, r in suite.get("precisions", {}).items():
+        print(f"energy N={n} d={d} triton {precision:7s}: {r['seconds']:.4f} s fwd+bwd, forward only "
+              f"{r['forward_seconds']:.4f} s, three Gram products {r['gram_seconds']:.4f} s -> "
+              f"triton/gram x{r['seconds'] / r['gram_seconds']:.2f}, peak memory {r['peak_bytes'] / GIB:.2f} GiB, "
+              f"error vs float64: value {r['value_relative_error']:.1e}, gradient {r['grad_relative_error']:.1e} "
+              f"(first call {r['first_call_seconds']:.1f} s; configs {r['forward_config']} / {r['backward_config']})")
+        if dense.get("ok"):
+            print(f"energy N={n} d={d} triton {precision:7s} / dense: x{r['seconds'] / dense['seconds']:.2f} time, "
+                  f"x{r['peak_bytes'] / max(dense['peak_bytes'], 1):.4f} peak memory")
+    crossover = run({k: v for k, v in _crossover_spec("cuda", smoke).items() if k != "timeout"}, timeout=150)
+    result["crossover"] = {k: v for k, v in crossover.items() if " vs " in k} or crossover
+    _show_crossover(result["crossover"]) if crossover.get("ok") else print(f"energy crossover failed: {crossover}")
+    # N = 2^20: the most accurate precision whose time extrapolated from N (x (2^20 / N)^2) fits HUGE_TARGET_S
+    huge_n = 128 if smoke else 2**20
+    measured = suite.get("precisions", {})
+    precision = next((p for p in PRECISIONS if p in measured
+                      and measured[p]["seconds"] * (huge_n / n) ** 2 <= HUGE_TARGET_S), "medium")
+    estimate = measured.get(precision, {}).get("seconds", 0.1) * (huge_n / n) ** 2
+    huge = run(dict(kind="huge", n=huge_n, d=d, precision=precision, backend="triton"),
+               timeout=max(60.0, min(300.0, 2.5 * estimate + 30)))
+    result["runs"].append(huge)
+    print(f"energy N={huge_n} d={d} triton at precision {precision!r} (extrapolated {estimate:.0f} s): "
+          + (f"{huge['seconds']:.1f} s fwd+bwd, peak memory {huge['peak_bytes'] / GIB:.2f} GiB"
+             if huge.get("ok") else f"failed ({huge.get('error')})"))
+
+
+def _run_cpu_plan(run: _Runner, result: dict, smoke: bool, only: set | None) -> None:
+    if only is None or "main" in only:
+        for spec in _cpu_plan(smoke):
+            r = run({k: v for k, v in spec.items() if k != "timeout"}, timeout=spec["timeout"])
+            r["address_space_limit_gib"] = spec.get("limit", 0) / GIB or None
+            result["runs"].append(r)
+            _show(r)
+        by = {(r["n"], r["backend"]): r for r in result["runs"] if r.get("ok")}
+        n0 = _cpu_plan(smoke)[0]["n"]
+        if (n0, "dense") in by and (n0, "tiled") in by:
+            result["speedup_vs_dense"] = by[(n0, "dense")]["seconds"] / by[(n0, "tiled")]["seconds"]
+            result["memory_ratio_vs_dense"] = by[(n0, "tiled")]["peak_bytes"] / max(by[(n0, "dense")]["peak_bytes"], 1)
+            print(f"energy N={n0}: tiled x{result['speedup_vs_dense']:.2f} faster than dense, "
+                  f"peak memory {result['memory_ratio_vs_dense']:.3f} of dense")
+        if (n0, "gram") in by and (n0, "tiled") in by:
+            result["ratio_to_three_gram_products"] = by[(n0, "tiled")]["seconds"] / by[(n0, "gram")]["seconds"]
+            print(f"energy N={n0}: tiled takes {result['ratio_to_three_gram_products']:.2f}x the time of three "
+                  "W W^T products of the same size")
+    if only is None or "crossover" in only:
+        spec = _crossover_spec("cpu", smoke)
+        crossover = run({k: v for k, v in spec.items() if k != "timeout"}, timeout=spec["timeout"])
+        result["crossover"] = {k: v for k, v in crossover.items() if " vs " in k} or crossover
+        _show_crossover(result["crossover"]) if crossover.get("ok") else print(f"energy crossover failed: {crossover}")
+    if only is None or "emulated" in only:
+        result["gram_error_emulated"] = emulated_gram_errors(64 if smoke else 512)
+        for name, e in result["gram_error_emulated"].items():
+            near = e["max_relative_near_threshold"]
+            print(f"energy Gram r^2 error {name:14s}: max {e['max_abs']:.1e}, median {e['median_abs']:.1e}, max "
+                  f"relative for r^2 in [0.05, 0.1): {'no such pairs' if near is None else f'{near:.1e}'}")
+
+
+def run(device: torch.device, smoke: bool | None = None, plan: str | None = None, inline: bool = False,
+        only: set | None = None) -> dict:
+    """Run the plan of ``device`` (or ``plan``); save benchmarks/results/energy_fwd_bwd-<device>.json unless smoke."""
+    smoke = _smoke() if smoke is None else smoke
+    plan = plan or device.type
+    result = {"benchmark": "energy_fwd_bwd", "plan": plan, "smoke": smoke, "runs": []}
+    run_spec = _Runner(device, inline)
+    if plan == "cuda":
+        _run_cuda_plan(run_spec, result, smoke)
+    else:
+        _run_cpu_plan(run_spec, result, smoke, only)
+    if smoke:
+        print("energy: smoke run, nothing saved")
+        return result
+    if only is not None:  # merge into the saved result
+        path = harness.RESULTS / f"energy_fwd_bwd-{device.type}.json"
+        saved = json.loads(path.read_text()) if path.exists() else {}
+        result = {**saved, **{k: v for k, v in result.items() if k != "runs" or v}}
+    harness.save(result, "energy_fwd_bwd", device)
     return result
+
+
+def compile_check(arch: int = 90) -> list[dict]:
+    """Compile every autotuning configuration of the energy kernels for ``sm_<arch>`` without a GPU.
+
+    Reports ``ptxas -v`` registers and spill stores per (kernel, precision, configuration): the
+    check that chose the configurations in :mod:`sphereml.energy._triton_kernels`.  Needs
+    Triton's ``ASTSource`` / ``GPUTarget`` API (Triton 3.x) and must run without TRITON_INTERPRET.
+    """
+    import re
+    import tempfile
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from sphereml.energy import _triton_kernels as kernels
+
+    target = GPUTarget("cuda", arch, 32)
+    bin_dir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    ptxas = next((p for p in (bin_dir / "ptxas-blackwell", bin_dir / "ptxas") if p.exists()), None)
+    types = {"Q": "*fp32", "SQ": "*fp32", "OUT": "*fp32", "GRAD": "*fp32", "M": "i32", "D": "i32", "stride": "i32",
+             "M_KEY": "i32", "s": "fp32", "eps": "fp32", "close_r2": "fp32"}
+    rows = []
+    for name, kernel in (("forward", kernels.forward_kernel), ("backward", kernels.backward_kernel)):
+        jit = kernel.fn
+        for precision in ("ieee", "tf32x3", "tf32"):
+            configs = kernel.configs if name == "forward" else kernels._backward_configs(
+                kernel.configs, {"D": 512}, PRECISION=precision)
+            for cfg in configs:
+                constants = {"POWER": 2, "PRECISION": precision, **cfg.kwargs}
+                signature = {arg: "constexpr" if arg in constants else types[arg] for arg in jit.arg_names}
+                source = ASTSource(fn=jit, signature=signature,
+                                   constexprs={(jit.arg_names.index(k),): v for k, v in constants.items()})
+                row = {"kernel": name, "precision": precision, "config": _config_text(cfg)}
+                started = time.perf_counter()
+                compiled = triton.compile(source, target=target,
+                                          options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
+                row["compile_seconds"] = time.perf_counter() - started
+                row["shared_bytes"] = compiled.metadata.shared
+                if ptxas is not None:
+                    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+                        f.write(compiled.asm["ptx"])
+                        f.flush()
+                        arch_flag = f"-arch=sm_{arch}a" if arch == 90 else f"-arch=sm_{arch}"
+                        log = subprocess.run([str(ptxas), arch_flag, "-v", f.name, "-o", os.devnull],
+                                             capture_output=True, text=True).stderr
+                    registers = re.findall(r"Used (\d+) registers", log)
+                    spills = re.findall(r"(\d+) bytes spill stores", log)
+                    row["registers"] = int(registers[0]) if registers else None
+                    row["spill_store_bytes"] = int(spills[0]) if spills else None
+                rows.append(row)
+                print(f"compile sm_{arch} {name:8s} {precision:6s} {row['config']:40s} "
+                      f"{row['compile_seconds']:5.1f} s, "
+                      f"registers {row.get('registers')}, spill stores {row.get('spill_store_bytes')} B, "
+                      f"shared {row['shared_bytes']} B", flush=True)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--worker", help="run one case (JSON spec) and print its result as JSON")
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes, nothing saved")
+    parser.add_argument("--plan", choices=("cpu", "cuda"), help="the plan to run (default: the device's)")
+    parser.add_argument("--inline", action="store_true", help="run the cases in this process (smoke runs)")
+    parser.add_argument("--only", help="comma-separated parts of the CPU plan: main, crossover, emulated")
+    parser.add_argument("--compile-check", type=int, metavar="ARCH", nargs="?", const=90,
+                        help="compile every kernel configuration for sm_ARCH (default 90) on the CPU and report "
+                             "registers and spills (no GPU needed)")
+    args = parser.parse_args(argv)
+    if args.compile_check:
+        compile_check(args.compile_check)
+        return
+    if args.worker:
+        print(json.dumps(worker(json.loads(args.worker))))
+        return
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    result = run(device, smoke=args.smoke or None, plan=args.plan, inline=args.inline,
+                 only=set(args.only.split(",")) if args.only else None)
+    if args.smoke:
+        print(json.dumps({"ok": all(r.get("ok") for r in result["runs"]) and bool(result.get("crossover"))}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,40 +1,92 @@
-"""Forward + backward of the margin heads at face-recognition size (B=256, d=512, C=10,000).
+"""Forward + backward of the margin heads against ``nn.Linear`` (no bias) + ``cross_entropy``, same run.
 
-Baseline, timed in the same run: ``nn.Linear`` (no bias) + ``cross_entropy`` on the same
-features.  The heads add a normalisation of W and x, a gather and a ``torch.where`` on
-the target column; the goal for ``ASoftmaxLoss`` is at most 1.3x the baseline.
+The heads add a normalisation of W and x, a gather and a few elementwise passes over the B target
+logits.  Sizes: B=256, d=512, C=10,000 (face-recognition size; goal at most 1.3x on the CPU, 1.5x on a
+GPU) and, on CUDA, B=512, d=512, C=100,000 (goal at most 1.2x), there each head also under ``torch.compile``
+(ArcFace at both sizes).
+On CUDA the kernels of ArcFace at the large size are listed from the PyTorch profiler (top 10 by GPU
+time) and saved beside the timings, to show where a head's time goes.  ``SPHEREML_BENCH_COMPILE=0`` skips
+the compiled candidates (their compilation takes most of the run's time).
 """
+
+from __future__ import annotations
+
+import os
 
 import torch
 import torch.nn.functional as F
 
 from sphereml.margins import ArcFaceLoss, ASoftmaxLoss, CosFaceLoss, LambdaSchedule, LSoftmaxLoss
 
-from .harness import compare
+from .harness import compare, save
 
-B, D, C = 256, 512, 10_000
+SIZES = [(256, 512, 10_000), (512, 512, 100_000)]  # (batch, in_features, classes); the second on CUDA only
+
+
+def _heads(d: int, c: int) -> dict:
+    return {
+        "A-Softmax m=4 (annealed)": ASoftmaxLoss(d, c, m=4, lambda_=LambdaSchedule.sphereface()),
+        "A-Softmax m=1.5 detached": ASoftmaxLoss(d, c, m=1.5, s=30.0, detach_margin=True),
+        "L-Softmax m=4": LSoftmaxLoss(d, c, m=4),
+        "CosFace": CosFaceLoss(d, c),
+        "ArcFace": ArcFaceLoss(d, c),
+    }
+
+
+def _inputs(b: int, d: int, c: int, device: torch.device):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(b, d, generator=g).to(device).requires_grad_(True)
+    y = torch.randint(c, (b,), generator=g).to(device)
+    return x, y
+
+
+def _profile(head, x, y) -> list[dict]:
+    """The ten kernels with the most GPU time in five forward + backward passes of ``head``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(3):
+        head.loss(x, y).backward()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            head.loss(x, y).backward()
+        torch.cuda.synchronize()
+    events = sorted(prof.key_averages(), key=lambda e: getattr(e, "device_time_total", 0.0), reverse=True)
+    rows = [{"kernel": e.key[:120], "calls": e.count, "gpu_ms": getattr(e, "device_time_total", 0.0) / 1e3}
+            for e in events[:10]]
+    for r in rows:
+        print(f"    {r['gpu_ms']:8.3f} ms  {r['calls']:4d}x  {r['kernel']}")
+    return rows
 
 
 def run(device: torch.device) -> dict:
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(B, D, generator=g).to(device).requires_grad_(True)
-    y = torch.randint(C, (B,), generator=g).to(device)
-    linear = torch.nn.Linear(D, C, bias=False).to(device)
-    heads = {
-        "A-Softmax m=4 (annealed)": ASoftmaxLoss(D, C, m=4, lambda_=LambdaSchedule.sphereface()),
-        "A-Softmax m=1.5 detached": ASoftmaxLoss(D, C, m=1.5, s=30.0, detach_margin=True),
-        "L-Softmax m=4": LSoftmaxLoss(D, C, m=4),
-        "CosFace": CosFaceLoss(D, C),
-        "ArcFace": ArcFaceLoss(D, C),
-    }
+    results = {}
+    sizes = SIZES if device.type == "cuda" else SIZES[:1]
+    compile_heads = device.type == "cuda" and os.environ.get("SPHEREML_BENCH_COMPILE", "1") != "0"
+    for b, d, c in sizes:
+        x, y = _inputs(b, d, c, device)
+        linear = torch.nn.Linear(d, c, bias=False).to(device)
 
-    def step(loss_of):
-        x.grad = None
-        loss_of().backward()
+        def step(loss_of):
+            x.grad = None
+            loss_of().backward()
 
-    candidates = {"nn.Linear + cross_entropy": lambda: step(lambda: F.cross_entropy(linear(x), y))}
-    for label, head in heads.items():
-        head.to(device)
-        candidates[label] = lambda h=head: step(lambda: h.loss(x, y))
-    return compare("margin_heads_fwd_bwd", candidates, baseline="nn.Linear + cross_entropy", device=device,
-                   repeats=25, extra={"batch": B, "in_features": D, "num_classes": C})
+        candidates = {"nn.Linear + cross_entropy": lambda: step(lambda: F.cross_entropy(linear(x), y))}
+        for label, head in _heads(d, c).items():
+            head.to(device)
+            candidates[label] = lambda h=head: step(lambda: h.loss(x, y))
+            if compile_heads and ((b, d, c) == SIZES[1] or label == "ArcFace"):
+                compiled = torch.compile(head.loss)
+                candidates[f"{label} (compiled)"] = lambda f=compiled: step(lambda: f(x, y))
+        name = "margin_heads_fwd_bwd" if (b, d, c) == SIZES[0] else f"margin_heads_fwd_bwd_b{b}_c{c}"
+        print(f"--- margin heads, B={b}, d={d}, C={c}")
+        results[name] = compare(name, candidates, baseline="nn.Linear + cross_entropy", device=device, repeats=25,
+                                extra={"batch": b, "in_features": d, "num_classes": c, "compiled": compile_heads})
+    if device.type == "cuda":
+        b, d, c = SIZES[1]
+        x, y = _inputs(b, d, c, device)
+        print(f"--- profile of ArcFace, B={b}, d={d}, C={c}")
+        rows = _profile(ArcFaceLoss(d, c).to(device), x, y)
+        save({"benchmark": "margin_heads_profile", "head": "ArcFace", "batch": b, "in_features": d,
+              "num_classes": c, "top_kernels": rows}, "margin_heads_profile", device)
+    return results

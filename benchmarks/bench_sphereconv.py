@@ -1,47 +1,78 @@
-"""Forward + backward of ``SphereConv2d`` at a CIFAR layer size (B=32, 64 -> 64 channels, 32x32, 3x3).
+"""Forward + backward of ``SphereConv2d`` against ``nn.Conv2d`` of the same shape, timed in the same run.
 
-Timed in the same run: ``nn.Conv2d`` of the same shape (the baseline), each SphereConv angular
-function, and the ``unfold`` formulation of public ports (patches materialised as a
-Tensor[B, C*9, H*W], norms taken along it).  Goal: cosine SphereConv2d at most 1.5x Conv2d.
+Candidates: ``nn.Conv2d`` (the baseline, eager), each SphereConv angular function (eager), the
+``unfold`` formulation of public ports (patches materialised as a Tensor[B, C*9, H*W]), which is the
+library's readable reference :func:`~sphereml.sphereconv.sphere_conv2d_reference`, and, on CUDA, the
+layers under ``torch.compile`` (which fuses the patch-norm division and g into the convolution's
+neighbours) and under bfloat16 autocast.
+
+* CPU: B=32, 64 -> 64 channels, 32x32, 3x3 (goal: cosine at most 1.3x Conv2d).
+* CUDA: the same size plus B=128 128 ch 32x32 and B=64 256 ch 16x16 (goal: cosine at most 1.3x Conv2d
+  at B=128 128 ch in float32 and under bf16 autocast; sigmoid and learned k at most 1.5x).
 """
 
-import torch
-import torch.nn.functional as F
+from __future__ import annotations
 
-from sphereml.sphereconv import SphereConv2d, angular_activation
+import contextlib
+
+import torch
+
+from sphereml.sphereconv import SphereConv2d, sphere_conv2d_reference
 
 from .harness import compare
 
-B, C, H, K = 32, 64, 32, 3
+K = 3
+CPU_SIZES = [(32, 64, 32)]  # (batch, channels, side)
+CUDA_SIZES = [(32, 64, 32), (128, 128, 32), (64, 256, 16)]
+COMPILED_SIZE = (128, 128, 32)  # on CUDA every variant is also timed under torch.compile at this size
 
 
-def unfold_sphere_conv(x: torch.Tensor, weight: torch.Tensor, angular: str = "cosine") -> torch.Tensor:
-    """The port-style formulation: unfold, normalise the patches and kernels, matmul, fold back."""
-    patches = F.unfold(x, K, padding=1)  # (B, C*9, H*W)
-    patches = patches / patches.norm(dim=1, keepdim=True).clamp_min(1e-6)
-    w = weight.flatten(1)
-    w = w / w.norm(dim=1, keepdim=True).clamp_min(1e-6)
-    cos = (w @ patches).clamp(-1, 1)  # (B, C_out, H*W)
-    return angular_activation(cos, angular).view(x.shape[0], -1, H, H)
-
-
-def run(device: torch.device) -> dict:
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(B, C, H, H, generator=g).to(device).requires_grad_(True)
-    target = torch.randn(B, C, H, H, generator=g).to(device)
-    conv = torch.nn.Conv2d(C, C, K, padding=1, bias=False).to(device)
-    layers = {f"SphereConv2d {a}": SphereConv2d(C, C, K, padding=1, angular=a, k=0.3).to(device)
+def _layers(c: int, device: torch.device) -> dict[str, torch.nn.Module]:
+    layers = {f"SphereConv2d {a}": SphereConv2d(c, c, K, padding=1, angular=a, k=0.3)
               for a in ("cosine", "linear", "sigmoid")}
-    layers["SphereConv2d sigmoid learned k"] = SphereConv2d(C, C, K, padding=1, angular="sigmoid",
-                                                            learnable_k=True).to(device)
+    layers["SphereConv2d sigmoid learned k"] = SphereConv2d(c, c, K, padding=1, angular="sigmoid", learnable_k=True)
+    return {label: layer.to(device) for label, layer in layers.items()}
+
+
+def _candidates(size, device: torch.device, dtype: torch.dtype | None) -> dict:
+    b, c, side = size
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(b, c, side, side, generator=g).to(device).requires_grad_(True)
+    target = torch.randn(b, c, side, side, generator=g).to(device)
+    conv = torch.nn.Conv2d(c, c, K, padding=1, bias=False).to(device)
+    cast = (lambda: torch.autocast(device.type, dtype=dtype)) if dtype is not None else contextlib.nullcontext
 
     def step(forward):
         x.grad = None
-        (forward() * target).sum().backward()
+        with cast():
+            out = forward()
+        (out.float() * target).sum().backward()
 
     candidates = {"nn.Conv2d": lambda: step(lambda: conv(x))}
-    for label, layer in layers.items():
-        candidates[label] = lambda m=layer: step(lambda: m(x))
-    candidates["unfold cosine (port style)"] = lambda: step(lambda: unfold_sphere_conv(x, conv.weight))
-    return compare("sphereconv_fwd_bwd", candidates, baseline="nn.Conv2d", device=device, repeats=30,
-                   extra={"batch": B, "channels": C, "size": H, "kernel": K})
+    for label, layer in _layers(c, device).items():
+        if dtype is None or "cosine" in label:
+            candidates[label] = lambda m=layer: step(lambda: m(x))
+        if device.type == "cuda" and size == COMPILED_SIZE and (dtype is None or "cosine" in label):
+            compiled = torch.compile(layer)
+            candidates[f"{label} (compiled)"] = lambda m=compiled: step(lambda: m(x))
+    if dtype is None:
+        port_style = lambda: sphere_conv2d_reference(x, conv.weight, padding=1)  # noqa: E731
+        candidates["unfold cosine (port style)"] = lambda: step(port_style)
+    return candidates
+
+
+def run(device: torch.device) -> dict:
+    results = {}
+    sizes = CUDA_SIZES if device.type == "cuda" else CPU_SIZES
+    dtypes = [None, torch.bfloat16] if device.type == "cuda" else [None]
+    for size in sizes:
+        for dtype in dtypes:
+            b, c, side = size
+            precision = "bf16 autocast" if dtype is not None else "float32"
+            name = "sphereconv_fwd_bwd" if size == CPU_SIZES[0] and dtype is None else \
+                f"sphereconv_fwd_bwd_b{b}_c{c}_s{side}" + ("_bf16" if dtype is not None else "")
+            print(f"--- SphereConv2d, B={b}, {c} -> {c} channels, {side}x{side}, {precision}")
+            results[name] = compare(name, _candidates(size, device, dtype), baseline="nn.Conv2d", device=device,
+                                    repeats=30, extra={"batch": b, "channels": c, "size": side, "kernel": K,
+                                                       "precision": precision})
+    return results

@@ -18,6 +18,16 @@ def restore_rng():
     np.random.set_state(np_state)
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """Small tensors (and the Triton interpreter's small numpy ops): one thread is faster and immune to
+    OpenMP contention on a shared machine.  Use with ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

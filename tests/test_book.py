@@ -1,3 +1,5 @@
+"""The papermill runner (python -m sphereml.book): parameters, exit codes, the execution cache."""
+
 import json
 import subprocess
 import sys
@@ -5,60 +7,10 @@ from pathlib import Path
 
 import nbformat
 import pytest
-import torch
 
 from sphereml import book
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def test_resolve_profile(monkeypatch):
-    monkeypatch.delenv("SPHEREML_PROFILE", raising=False)
-    assert book.resolve_profile("auto") == ("gpu" if torch.cuda.is_available() else "cpu")
-    monkeypatch.setenv("SPHEREML_PROFILE", "smoke")
-    assert book.resolve_profile("auto") == "smoke"
-    assert book.resolve_profile("gpu") == "gpu"  # an explicit profile beats the environment
-    with pytest.raises(ValueError, match="profile must be 'auto' or one of"):
-        book.resolve_profile("fast")
-    monkeypatch.setenv("SPHEREML_PROFILE", "turbo")
-    with pytest.raises(ValueError, match="'turbo'"):
-        book.resolve_profile("auto")
-
-
-def test_output_dir_resolution(tmp_path, monkeypatch):
-    monkeypatch.delenv("SPHEREML_OUTPUT", raising=False)
-    assert book.resolve_output_dir("ch", tmp_path / "x") == tmp_path / "x"
-    monkeypatch.chdir(REPO / "notebooks")
-    assert book.resolve_output_dir("ch") == REPO / "_build" / "runs" / "ch"
-    monkeypatch.setenv("SPHEREML_OUTPUT", str(tmp_path / "env"))
-    assert book.resolve_output_dir("ch") == tmp_path / "env"
-
-
-def test_chapter_records_metrics_and_picks_by_profile(tmp_path):
-    ch = book.Chapter("demo", profile="smoke", device="cpu", seed=3, output_dir=str(tmp_path), params={"k": 1})
-    assert ch.pick(smoke=1, cpu=2, gpu=3) == 1
-    with pytest.raises(ValueError, match="missing \\['gpu'\\]"):
-        ch.pick(smoke=1, cpu=2)
-    ch.record(answer=torch.tensor(42.0), path=Path("a"))
-    saved = json.loads((tmp_path / "metrics.json").read_text())
-    assert saved["answer"] == 42.0 and saved["profile"] == "smoke" and saved["params"] == {"k": 1}
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, ax = plt.subplots()
-    ax.plot([0, 1])
-    ch.savefig(fig, "line", show=False)
-    assert (tmp_path / "line.png").stat().st_size > 0
-    assert json.loads((tmp_path / "metrics.json").read_text())["figures"] == ["line.png"]
-
-
-def test_write_json_is_atomic(tmp_path):
-    path = tmp_path / "m.json"
-    book.write_json({"a": 1}, path)
-    with pytest.raises(TypeError, match="cannot write object"):
-        book.write_json({"a": object()}, path)
-    assert json.loads(path.read_text()) == {"a": 1}  # the failed write left the old file intact
-    assert [p.name for p in tmp_path.iterdir()] == ["m.json"]
 
 
 @pytest.mark.parametrize("value, default, expected", [
@@ -87,7 +39,7 @@ def tiny_chapter(tmp_path):
     nb.cells = [
         params,
         nbformat.v4.new_code_cell(
-            "from sphereml.book import Chapter\n"
+            "from sphereml.chapter import Chapter\n"
             "ch = Chapter('tiny', profile, 'cpu', 0, output_dir)\n"
             "assert repeats >= 0, 'negative repeats'\n"
             "ch.record(repeats=repeats, profile_used=ch.profile)"
@@ -127,6 +79,12 @@ def test_cli_exit_codes(tiny_chapter, tmp_path):
     assert failing.returncode == 1 and "negative repeats" in failing.stderr
     bad = cli("-p", "colour", "red")
     assert bad.returncode == 2 and "unknown parameter 'colour'" in bad.stderr
+    assert "RuntimeWarning" not in ok.stderr  # the package does not import the runner it executes
+
+
+def test_the_package_does_not_import_the_runner():
+    code = "import sys, sphereml; print('sphereml.book' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "False"
 
 
 def test_cache_seeding_matches_the_book_s_hash(tiny_chapter, tmp_path):

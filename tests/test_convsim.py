@@ -1,4 +1,4 @@
-"""Convolutional similarity (seed 004): lemmas, the main identity, counterexamples, methods, regularisers."""
+"""Convolutional similarity (the paper's §3-§5): lemmas, the main identity, counterexamples, methods."""
 
 import numpy as np
 import pytest
@@ -12,12 +12,9 @@ from sphereml.convsim import (
     cross_correlate,
     feature_map_similarity,
     feature_maps,
-    iterative_initialization,
     kernel_correlation,
     pair_similarity,
 )
-from sphereml.models import ConvNet
-from sphereml.regularizers import ConvSimilarity, Orthonormality, orthonormality_penalty
 
 F64 = torch.float64
 
@@ -227,50 +224,22 @@ def test_feature_map_similarity_cosines_and_batches():
     torch.testing.assert_close(feature_map_similarity(w, x[0]), feature_map_similarity(w, x)[0])
 
 
-# ---------------------------------------------------------------- regularisers and initialisation
-
-def test_regularizers_on_a_model():
-    torch.manual_seed(0)
-    model = ConvNet(1, 8, widths=(4, 6))
-    reg = ConvSimilarity(beta=0.5)
-    expected = 0.5 * sum(conv_similarity(m.weight) for m in model.modules() if isinstance(m, torch.nn.Conv2d))
-    torch.testing.assert_close(reg(model), expected)
-    ortho = Orthonormality(beta=1.0)
-    assert ortho(model).item() > 0
-    q, _ = torch.linalg.qr(torch.randn(9, 4, dtype=F64))
-    assert float(orthonormality_penalty(q.T.reshape(4, 1, 3, 3))) < 1e-20
-
-
-def test_iterative_initialization_lowers_loss_and_shrinks_kernels():
-    torch.manual_seed(0)
-    model = ConvNet(1, 8, widths=(4, 6))
-    history = iterative_initialization(model, steps=30, lr=1e-2)
-    assert len(history["loss"]) == 31
-    assert history["loss"][-1] < 0.5 * history["loss"][0]
-    assert history["squared_norm"][-1] < history["squared_norm"][0]
-    torch.testing.assert_close(torch.tensor(history["loss"][-1]),
-                               ConvSimilarity(beta=1.0).loss(model).detach(), rtol=1e-5, atol=1e-7)
-
-
 # ---------------------------------------------------------------- bad input
 
-@pytest.mark.parametrize("call", [
-    lambda: conv_similarity(torch.randn(3, 3)),
-    lambda: conv_similarity(torch.randn(2, 2, 3, 3, 3, 3)),
-    lambda: conv_similarity(torch.randn(2, 2, 3), mode="circular"),
-    lambda: conv_similarity(torch.randn(2, 2, 3), method="magic"),
-    lambda: conv_similarity(torch.randn(2, 2, 3), mode="valid", method="fft"),
-    lambda: conv_similarity(torch.randn(2, 2, 4), mode="same"),
-    lambda: conv_similarity(torch.randn(2, 2, 3, 5)),
-    lambda: conv_similarity(torch.ones(2, 2, 3, dtype=torch.long)),
-    lambda: conv_similarity(torch.randn(2, 2, 3), mode=5),
-    lambda: cross_correlate(torch.randn(2, 5, 5), torch.randn(3, 3, 3)),
-    lambda: kernel_correlation(torch.randn(3), torch.randn(4)),
-    lambda: ConvSimilarity(beta=-1.0),
-    lambda: ConvSimilarity()(torch.nn.Linear(2, 2)),
-    lambda: iterative_initialization(torch.nn.Linear(2, 2), steps=1),
-    lambda: iterative_initialization(ConvNet(1, 2, widths=(2,)), steps=-1),
+@pytest.mark.parametrize("call,message", [
+    (lambda: conv_similarity(torch.randn(3, 3)), r"weight must be Tensor\[S, C, \*k\]"),
+    (lambda: conv_similarity(torch.randn(2, 2, 3, 3, 3, 3)), "1, 2 or 3 spatial dimensions"),
+    (lambda: conv_similarity(torch.randn(2, 2, 3), mode="circular"), "mode must be one of"),
+    (lambda: conv_similarity(torch.randn(2, 2, 3), method="magic"), "method must be one of"),
+    (lambda: conv_similarity(torch.randn(2, 2, 3), mode="valid", method="fft"), "full-lag loss only"),
+    (lambda: conv_similarity(torch.randn(2, 2, 4), mode="same"), "odd kernel size"),
+    (lambda: conv_similarity(torch.randn(2, 2, 3, 5)), "same size along every spatial axis"),
+    (lambda: conv_similarity(torch.ones(2, 2, 3, dtype=torch.long)), "floating-point"),
+    (lambda: conv_similarity(torch.randn(2, 2, 3), mode=5), r"padding must be in \[0, 2\]"),
+    (lambda: cross_correlate(torch.randn(2, 5, 5), torch.randn(3, 3, 3)), "same C"),
+    (lambda: kernel_correlation(torch.randn(3), torch.randn(4)), "same shape"),
+    (lambda: autocorrelation(torch.randn(5), -1), "max_lag must be an integer >= 0"),
 ])
-def test_bad_arguments(call):
-    with pytest.raises(ValueError):
+def test_bad_arguments(call, message):
+    with pytest.raises(ValueError, match=message):
         call()

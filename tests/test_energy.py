@@ -1,7 +1,11 @@
-"""Hyperspherical energy: invariants of reference §1.12, closed forms, Thomson minima, backends, regularisers."""
+"""Hyperspherical energy: invariants of reference §1.12, closed forms, Thomson minima, backends, argument checks.
+
+The MHE regulariser is tested in ``test_regularizers.py``; float32 accuracy in ``test_energy_precision.py``.
+"""
 
 import itertools
 import math
+import os
 
 import pytest
 import torch
@@ -9,8 +13,6 @@ import torch
 from sphereml.energy import energy_metric, hyperspherical_energy, minibatch_energy, output_energy
 from sphereml.energy.tiled import tiled_energy
 from sphereml.geometry import normalize
-from sphereml.models import Classifier, ConvNet
-from sphereml.regularizers import MHE
 
 F64 = torch.float64
 E = hyperspherical_energy
@@ -187,6 +189,7 @@ def test_auto_backend_choice():
     small, large = torch.zeros(10, 3), torch.zeros(TILED_ABOVE + 1, 3)
     assert _backend_for(small, "euclidean", "auto") == "dense"
     assert _backend_for(large, "euclidean", "auto") == "tiled"
+    assert _backend_for(large.double(), "angular", "auto") == "tiled"
     assert energy_metric(_w(), s=1.0) == pytest.approx(float(E(_w(), s=1.0)))
 
 
@@ -199,20 +202,46 @@ def test_triton_refused_where_it_cannot_run(monkeypatch):
             E(_w().float(), backend="triton")
     with pytest.raises(ValueError, match="euclidean"):
         E(_w().float(), metric="angular", backend="triton")
+    with pytest.raises(ValueError, match="float64.*backend='tiled'"):
+        E(_w(), backend="triton")  # never computed in float32 behind the caller's back
 
 
-# ---------------------------------------------------------------- regularisers
+def test_argument_checks_read_no_tensor_values():
+    """The per-step checks look at dtype, shape and device only: meta tensors have no values to read."""
+    from sphereml.energy import _points
 
-def test_mhe_regulariser_sums_layer_energies():
-    torch.manual_seed(0)
-    model = Classifier(ConvNet(1, 8, widths=(4, 6)), 10)
-    reg = MHE(model, s=1.0, half_space=True, lambda_hidden=0.5, lambda_output=2.0)
-    convs = [m for m in model.modules() if isinstance(m, torch.nn.Conv2d)]
-    expected = 0.5 * sum(E(m.weight, s=1.0, half_space=True) for m in convs + [model.backbone.feature])
-    expected = expected + 2.0 * E(model.head.weight, s=1.0)  # output layer: full space
-    torch.testing.assert_close(reg(model), expected)
-    assert reg.output is model.head and len(reg.hidden) == 3
+    w = torch.empty(12, 5, device="meta")
+    points = _points(w, "euclidean", True, torch.empty(12, device="meta"))
+    assert points.shape == (24, 5) and points.device.type == "meta"
 
+
+def test_benchmark_smoke(monkeypatch):
+    """benchmarks/bench_energy.py end to end at tiny sizes: the CPU plan here, the CUDA plan interpreted.
+
+    The CUDA plan (what the GPU run executes) runs on CPU tensors in one subprocess with
+    TRITON_INTERPRET=1, since Triton reads that flag when it is imported.
+    """
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    monkeypatch.syspath_prepend(str(root))
+    from benchmarks import bench_energy
+
+    result = bench_energy.run(torch.device("cpu"), smoke=True, inline=True)
+    assert all(r["ok"] for r in result["runs"]) and len(result["runs"]) == 5, result["runs"]
+    assert result["crossover"]["float32 dense vs tiled"]["sizes"] == [16, 32]
+    emulated = result["gram_error_emulated"]
+    assert emulated["d=64 tf32"]["max_abs"] > 10 * emulated["d=64 float32"]["max_abs"]
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(root)}
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.bench_energy", "--smoke", "--plan", "cuda", "--inline"],
+                          cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.stdout.strip().splitlines()[-1] == '{"ok": true}', proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "triton medium" in proc.stdout and "crossover" in proc.stdout
+
+
+# ---------------------------------------------------------------- output-layer energy (SphereFace+)
 
 def test_output_energy_matches_its_definition():
     w = _w(5, 3)
@@ -224,24 +253,31 @@ def test_output_energy_matches_its_definition():
 
 # ---------------------------------------------------------------- bad input
 
-@pytest.mark.parametrize("call", [
-    lambda: E(_w(), s=-1.0),
-    lambda: E(_w(), s=float("nan")),
-    lambda: E(_w(1, 3)),
-    lambda: E(torch.randn(5)),
-    lambda: E(torch.tensor([[1.0, float("inf")], [0.0, 1.0]])),
-    lambda: E(torch.ones(3, 3, dtype=torch.long)),
-    lambda: E(_w(), metric="cosine"),
-    lambda: E(_w(), backend="cuda"),
-    lambda: E(_w(), weights=torch.zeros(12)),
-    lambda: E(_w(), weights=torch.ones(3)),
-    lambda: E(_w(), metric="angular", weights=torch.ones(12)),
-    lambda: E(_w(), eps=0.0),
-    lambda: minibatch_energy(_w(), 1),
-    lambda: output_energy(_w(5, 3), torch.tensor([5])),
-    lambda: MHE(torch.nn.Linear(3, 1), lambda_output=0.0),
-    lambda: MHE(ConvNet(1, 4, widths=(4,)), lambda_hidden=-1.0),
+@pytest.mark.parametrize("call,match", [
+    (lambda: E(_w(), s=-1.0), "s must be"),
+    (lambda: E(_w(), s=float("nan")), "s must be"),
+    (lambda: E(_w(), s=True), "s must be"),
+    (lambda: E(_w(1, 3)), "at least 2 neurons"),
+    (lambda: E(torch.randn(5)), "w must be a Tensor"),
+    (lambda: E(torch.tensor([[1.0, float("inf")], [0.0, 1.0]])), "finite"),
+    (lambda: E(torch.ones(3, 3, dtype=torch.long)), "floating-point"),
+    (lambda: E(_w(), metric="cosine"), "metric must be one of"),
+    (lambda: E(_w(), backend="cuda"), "backend must be one of"),
+    (lambda: E(_w(), half_space=1), "half_space"),
+    (lambda: E(_w(), weights=torch.zeros(12)), "positive"),
+    (lambda: E(_w(), weights=torch.ones(3)), r"weights must be a Tensor\[12\]"),
+    (lambda: E(_w(), metric="angular", weights=torch.ones(12)), "euclidean metric only"),
+    (lambda: E(_w(), eps=0.0), "eps must be"),
+    (lambda: E(_w(), eps=1.0), "eps must be"),
+    (lambda: minibatch_energy(_w(), 1), r"batch must be an integer in \[2, 12\]"),
+    (lambda: minibatch_energy(_w(), 13), r"batch must be an integer in \[2, 12\]"),
+    (lambda: minibatch_energy(_w(), 3.0), "batch must be an integer"),
+    (lambda: output_energy(_w(5, 3), torch.tensor([5])), r"labels must lie in \[0, 5\)"),
+    (lambda: output_energy(_w(5, 3), torch.tensor([0.0])), "int64"),
+    (lambda: output_energy(_w(5, 3), torch.tensor([[0]])), r"labels must be a Tensor\[m\]"),
+    (lambda: output_energy(_w(5, 3), torch.tensor([0]), eps=2.0), "eps must be"),
+    (lambda: output_energy(_w(5, 3)[0], torch.tensor([0])), "weight must be"),
 ])
-def test_bad_arguments(call):
-    with pytest.raises(ValueError):
+def test_bad_arguments(call, match):
+    with pytest.raises(ValueError, match=match):
         call()

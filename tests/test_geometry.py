@@ -3,7 +3,20 @@ import math
 import pytest
 import torch
 
-from sphereml.geometry import angle_matrix, cosine_matrix, normalize, safe_angle, sample_sphere
+from sphereml.geometry import (
+    angle_matrix,
+    arcface_psi,
+    chebyshev_cos,
+    cosine_matrix,
+    integer_margin,
+    multiplicative_psi,
+    normalize,
+    psi,
+    safe_angle,
+    sample_sphere,
+)
+
+GRID = torch.linspace(0, math.pi, 100_001, dtype=torch.float64)
 
 
 def test_normalize_unit_rows_and_zero_vector():
@@ -98,3 +111,75 @@ def test_sample_sphere_is_reproducible_and_validates():
         sample_sphere(3, 0)
     with pytest.raises(ValueError, match="n must be an integer >= 0"):
         sample_sphere(-1, 3)
+
+
+# ---------------------------------------------------------------- psi and Chebyshev (reference §1.6 items 1-3)
+
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5])
+def test_psi_shape_invariants(m):
+    values = psi(GRID, m)
+    assert float(values[0]) == pytest.approx(1.0)
+    assert float(values[-1]) == pytest.approx(1 - 2 * m)
+    assert bool((values.diff() <= 1e-12).all()), "psi must be non-increasing"
+    assert float(values.diff().abs().max()) < 1e-3, "psi must be continuous (no jumps on a fine grid)"
+    assert bool((values <= torch.cos(GRID) + 1e-12).all()), "psi must lie below cos"
+    if m == 1:
+        torch.testing.assert_close(values, torch.cos(GRID))
+
+
+@pytest.mark.parametrize("m", [2, 3, 4])
+def test_psi_derivative_vanishes_at_branch_points(m):
+    theta = torch.tensor([k * math.pi / m for k in range(m + 1)], dtype=torch.float64)
+    eps = 1e-6
+    inside = theta.clamp(eps, math.pi - eps)
+    slope = (psi(inside + eps, m) - psi(inside - eps, m)) / (2 * eps)
+    assert float(slope.abs().max()) < 1e-4
+    mid = torch.tensor([(k + 0.5) * math.pi / m for k in range(m)], dtype=torch.float64)
+    assert bool(((psi(mid + eps, m) - psi(mid - eps, m)) < 0).all())
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 7])
+def test_chebyshev_equals_cos_m_theta(m):
+    err = (chebyshev_cos(torch.cos(GRID), m) - torch.cos(m * GRID)).abs().max()
+    assert float(err) < 1e-13
+
+
+def test_chebyshev_matches_binomial_expansion():
+    c = torch.cos(GRID[::97])
+    for m in (2, 3, 4, 6):
+        binomial = sum((-1) ** n * math.comb(m, 2 * n) * c ** (m - 2 * n) * (1 - c * c) ** n for n in range(m // 2 + 1))
+        torch.testing.assert_close(chebyshev_cos(c, m), binomial)
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 4])
+def test_multiplicative_psi_from_cos_equals_psi_from_angle(m):
+    theta = GRID[1:-1:101]
+    torch.testing.assert_close(multiplicative_psi(torch.cos(theta), m), psi(theta, m))
+
+
+def test_real_m_psi_is_continuous_and_monotone():
+    values = psi(GRID, 1.5)
+    assert bool((values.diff() <= 1e-12).all()) and float(values.diff().abs().max()) < 1e-3
+    assert float(values[0]) == 1.0
+
+
+def test_arcface_psi_monotone_continuous_and_below_cos():
+    c = torch.cos(GRID)
+    for m in (0.1, 0.5, 1.0):
+        values = arcface_psi(c, m)
+        assert bool((values.diff() <= 1e-12).all())
+        assert float(values.diff().abs().max()) < 1e-3
+        assert bool((values <= c + 1e-12).all())
+        safe = (GRID <= math.pi - m - 1e-6) & (GRID >= 2e-3)  # sin(theta) is floored at 1e-3
+        torch.testing.assert_close(values[safe], torch.cos(GRID[safe] + m))
+    # the naive cos(theta + m) is not monotone on [0, pi]: the reason for the tail
+    assert bool((torch.cos(GRID + 0.5).diff() > 0).any())
+
+
+@pytest.mark.parametrize("m,message", [(0, "m must be an integer >= 1"), (1.5, "multiple-angle formula"),
+                                       (True, "multiple-angle formula"), ("2", "multiple-angle formula")])
+def test_integer_margin_refuses_non_integers(m, message):
+    with pytest.raises(ValueError, match=message):
+        integer_margin(m)
+    assert integer_margin(3.0) == 3
+

@@ -1,4 +1,4 @@
-"""Large-margin heads and psi: invariants of reference §1.6 and §2.6, gradients, schedules, bad input."""
+"""Large-margin heads: invariants of reference §1.6 and §2.6, GA-/W-Softmax, gradients, bad input."""
 
 import math
 
@@ -6,23 +6,22 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from sphereml.geometry import chebyshev_cos, normalize, psi
+from sphereml.angular import ANGULAR, angular_activation, angular_function
+from sphereml.geometry import chebyshev_cos, multiplicative_psi, normalize, psi
 from sphereml.margins import (
     ArcFaceLoss,
     ASoftmaxLoss,
     CosFaceLoss,
+    GASoftmaxLoss,
     LambdaSchedule,
     LSoftmaxLoss,
     NormalizedSoftmaxLoss,
-    arcface_psi,
-    head_loss,
-    multiplicative_psi,
+    WSoftmaxLoss,
 )
 from sphereml.models import MLP, Classifier
-from sphereml.train import fit
+from sphereml.train import evaluate, fit
 
 D, C = 5, 4
-GRID = torch.linspace(0, math.pi, 100_001, dtype=torch.float64)
 
 
 def _batch(n=16, seed=0, dtype=torch.float64):
@@ -36,69 +35,6 @@ def _all_heads():
         LSoftmaxLoss(D, C, m=3), ASoftmaxLoss(D, C, m=4), ASoftmaxLoss(D, C, m=1.5, s=8.0, detach_margin=True),
         CosFaceLoss(D, C, s=16.0), ArcFaceLoss(D, C, s=16.0),
     ]
-
-
-# ---------------------------------------------------------------- psi and Chebyshev (§1.6 items 1-3)
-
-@pytest.mark.parametrize("m", [1, 2, 3, 4, 5])
-def test_psi_shape_invariants(m):
-    values = psi(GRID, m)
-    assert float(values[0]) == pytest.approx(1.0)
-    assert float(values[-1]) == pytest.approx(1 - 2 * m)
-    assert bool((values.diff() <= 1e-12).all()), "psi must be non-increasing"
-    assert float(values.diff().abs().max()) < 1e-3, "psi must be continuous (no jumps on a fine grid)"
-    assert bool((values <= torch.cos(GRID) + 1e-12).all()), "psi must lie below cos"
-    if m == 1:
-        torch.testing.assert_close(values, torch.cos(GRID))
-
-
-@pytest.mark.parametrize("m", [2, 3, 4])
-def test_psi_derivative_vanishes_at_branch_points(m):
-    theta = torch.tensor([k * math.pi / m for k in range(m + 1)], dtype=torch.float64)
-    eps = 1e-6
-    inside = theta.clamp(eps, math.pi - eps)
-    slope = (psi(inside + eps, m) - psi(inside - eps, m)) / (2 * eps)
-    assert float(slope.abs().max()) < 1e-4
-    mid = torch.tensor([(k + 0.5) * math.pi / m for k in range(m)], dtype=torch.float64)
-    assert bool(((psi(mid + eps, m) - psi(mid - eps, m)) < 0).all())
-
-
-@pytest.mark.parametrize("m", [1, 2, 3, 4, 7])
-def test_chebyshev_equals_cos_m_theta(m):
-    err = (chebyshev_cos(torch.cos(GRID), m) - torch.cos(m * GRID)).abs().max()
-    assert float(err) < 1e-13
-
-
-def test_chebyshev_matches_binomial_expansion():
-    c = torch.cos(GRID[::97])
-    for m in (2, 3, 4, 6):
-        binomial = sum((-1) ** n * math.comb(m, 2 * n) * c ** (m - 2 * n) * (1 - c * c) ** n for n in range(m // 2 + 1))
-        torch.testing.assert_close(chebyshev_cos(c, m), binomial)
-
-
-@pytest.mark.parametrize("m", [1, 2, 3, 4])
-def test_multiplicative_psi_from_cos_equals_psi_from_angle(m):
-    theta = GRID[1:-1:101]
-    torch.testing.assert_close(multiplicative_psi(torch.cos(theta), m), psi(theta, m))
-
-
-def test_real_m_psi_is_continuous_and_monotone():
-    values = psi(GRID, 1.5)
-    assert bool((values.diff() <= 1e-12).all()) and float(values.diff().abs().max()) < 1e-3
-    assert float(values[0]) == 1.0
-
-
-def test_arcface_psi_monotone_continuous_and_below_cos():
-    c = torch.cos(GRID)
-    for m in (0.1, 0.5, 1.0):
-        values = arcface_psi(c, m)
-        assert bool((values.diff() <= 1e-12).all())
-        assert float(values.diff().abs().max()) < 1e-3
-        assert bool((values <= c + 1e-12).all())
-        safe = (GRID <= math.pi - m - 1e-6) & (GRID >= 2e-3)  # sin(theta) is floored at 1e-3
-        torch.testing.assert_close(values[safe], torch.cos(GRID[safe] + m))
-    # the naive cos(theta + m) is not monotone on [0, pi]: the reason for the tail
-    assert bool((torch.cos(GRID + 0.5).diff() > 0).any())
 
 
 # ---------------------------------------------------------------- heads: identities
@@ -251,14 +187,6 @@ def test_detached_margin_has_the_gradient_of_plain_cosine():
 
 # ---------------------------------------------------------------- schedule
 
-def test_lambda_schedule_values():
-    sphereface = LambdaSchedule.sphereface()
-    assert sphereface.value(0) == 1000.0
-    assert sphereface.value(100) == pytest.approx(1000 / 13)
-    assert sphereface.value(10**6) == 5.0
-    lsoft = LambdaSchedule.lsoftmax()
-    assert lsoft.value(5000) == pytest.approx(1000 * (1 + 2.5e-5 * 5000) ** -35)
-
 
 def test_schedule_advances_only_in_training_and_lives_in_state_dict():
     head = ASoftmaxLoss(D, C, lambda_=LambdaSchedule.sphereface()).double()
@@ -284,27 +212,54 @@ def test_resumed_fit_continues_the_schedule(tmp_path):
         return Classifier(MLP(6, 4, hidden=(8,)), 3, head=ASoftmaxLoss(4, 3, lambda_=LambdaSchedule.sphereface()))
 
     full = make()
-    fit(full, data, epochs=2, batch_size=16, loss_fn=head_loss, device="cpu", progress=False)
+    fit(full, data, epochs=2, batch_size=16, device="cpu", progress=False)
     part = make()
     ckpt = tmp_path / "run.pt"
-    fit(part, data, epochs=1, batch_size=16, loss_fn=head_loss, device="cpu", progress=False, checkpoint=ckpt)
+    fit(part, data, epochs=1, batch_size=16, device="cpu", progress=False, checkpoint=ckpt)
     resumed = make()
-    fit(resumed, data, epochs=2, batch_size=16, loss_fn=head_loss, device="cpu", progress=False, checkpoint=ckpt)
+    fit(resumed, data, epochs=2, batch_size=16, device="cpu", progress=False, checkpoint=ckpt)
     assert int(resumed.head.schedule.step) == int(full.head.schedule.step) == 8
     torch.testing.assert_close(resumed.head.weight, full.head.weight)
 
 
+def test_fit_and_evaluate_use_the_heads_own_loss():
+    """The one loss path: Classifier.loss_and_logits delegates to a margin head; evaluate reports that loss."""
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(32, 6, generator=g), torch.randint(3, (32,), generator=g)
+    torch.manual_seed(0)
+    model = Classifier(MLP(6, 4, hidden=(8,)), 3, head=ASoftmaxLoss(4, 3, m=4)).eval()
+    loss, logits = model.loss_and_logits(x, y)
+    features = model.features(x)
+    torch.testing.assert_close(loss, model.head.loss(features, y))
+    torch.testing.assert_close(logits, model.head(features))
+    plain_ce = F.cross_entropy(model(x), y)
+    assert float(loss.detach()) > float(plain_ce.detach())  # the margin raises the loss above plain cross-entropy
+    result = evaluate(model, torch.utils.data.TensorDataset(x, y), device="cpu")
+    assert result["loss"] == pytest.approx(float(loss.detach()), rel=1e-6)
+    assert result["accuracy"] == pytest.approx(float((logits.argmax(1) == y).float().mean()))
+
+
 # ---------------------------------------------------------------- bad input
 
-@pytest.mark.parametrize("make", [
-    lambda: LSoftmaxLoss(D, C, m=0), lambda: LSoftmaxLoss(D, C, m=2.5), lambda: ASoftmaxLoss(D, C, m=1.5),
-    lambda: ASoftmaxLoss(D, C, m=0.5, detach_margin=True), lambda: LSoftmaxLoss(D, C, lambda_=-1.0),
-    lambda: ASoftmaxLoss(D, C, lambda_="big"), lambda: CosFaceLoss(D, C, s=-1.0), lambda: CosFaceLoss(D, C, m=-0.1),
-    lambda: ArcFaceLoss(D, C, m=4.0), lambda: ArcFaceLoss(D, C, s=0.0), lambda: NormalizedSoftmaxLoss(D, C, s=-2.0),
-    lambda: NormalizedSoftmaxLoss(0, C), lambda: LambdaSchedule(base=-1.0), lambda: LSoftmaxLoss(D, C, m=True),
+
+@pytest.mark.parametrize("make,message", [
+    (lambda: LSoftmaxLoss(D, C, m=0), "m must be an integer >= 1"),
+    (lambda: LSoftmaxLoss(D, C, m=2.5), "multiple-angle formula"),
+    (lambda: ASoftmaxLoss(D, C, m=1.5), "multiple-angle formula"),
+    (lambda: ASoftmaxLoss(D, C, m=0.5, detach_margin=True), "m must be a finite number >= 1"),
+    (lambda: LSoftmaxLoss(D, C, lambda_=-1.0), "lambda_ must be a finite number >= 0"),
+    (lambda: ASoftmaxLoss(D, C, lambda_="big"), "lambda_ must be a number >= 0 or a LambdaSchedule"),
+    (lambda: CosFaceLoss(D, C, s=-1.0), "scale s must be a finite number > 0"),
+    (lambda: CosFaceLoss(D, C, m=-0.1), "margin m must be a finite number >= 0"),
+    (lambda: ArcFaceLoss(D, C, m=4.0), "angular margin m must be a finite number >= 0 and < 3.14"),
+    (lambda: ArcFaceLoss(D, C, s=0.0), "scale s must be a finite number > 0"),
+    (lambda: NormalizedSoftmaxLoss(D, C, s=-2.0), "scale s must be a finite number > 0"),
+    (lambda: NormalizedSoftmaxLoss(0, C), "in_features must be an integer >= 1"),
+    (lambda: NormalizedSoftmaxLoss(D, True), "num_classes must be an integer >= 1"),
+    (lambda: LSoftmaxLoss(D, C, m=True), "multiple-angle formula"),
 ])
-def test_bad_arguments(make):
-    with pytest.raises(ValueError):
+def test_bad_arguments(make, message):
+    with pytest.raises(ValueError, match=message):
         make()
 
 
@@ -339,10 +294,89 @@ def test_weight_normalized_linear_backward():
     assert bool(torch.isfinite(zero_row.grad).all())
 
 
-def test_reaching_schedule_hits_its_floor_on_time():
-    sched = LambdaSchedule.reaching(5.0, steps=100)
-    assert sched.value(0) == 1000.0 and sched.value(40) == pytest.approx(5.0) and sched.value(99) == 5.0
-    assert sched.value(39) > 5.0
-    assert LambdaSchedule.reaching(0.0, steps=100).value(40) == pytest.approx(1.0)
-    with pytest.raises(ValueError):
-        LambdaSchedule.reaching(5.0, steps=0)
+# ---------------------------------------------------------------- GA-Softmax / W-Softmax (thesis eqs. 3.10, 3.11)
+
+def _features(seed=9):
+    torch.manual_seed(seed)
+    return torch.randn(16, 5, dtype=torch.float64), torch.randint(0, 4, (16,))
+
+
+def _same_weight(*heads):
+    for head in heads[1:]:
+        head.weight.data.copy_(heads[0].weight)
+    return heads
+
+
+def test_cosine_w_softmax_is_modified_softmax_and_cosine_ga_is_a_softmax():
+    x, y = _features()
+    w, modified = _same_weight(WSoftmaxLoss(5, 4, "cosine").double(), NormalizedSoftmaxLoss(5, 4).double())
+    torch.testing.assert_close(w.loss(x, y), modified.loss(x, y))
+    ga, a = _same_weight(GASoftmaxLoss(5, 4, m=4, angular="cosine").double(), ASoftmaxLoss(5, 4, m=4).double())
+    torch.testing.assert_close(ga.loss(x, y), a.loss(x, y))
+    torch.testing.assert_close(ga(x), a(x))
+
+
+@pytest.mark.parametrize("angular", ANGULAR)
+def test_ga_with_m1_is_w_softmax_and_margin_raises_loss(angular):
+    x, y = _features(10)
+    one, w, ga = _same_weight(GASoftmaxLoss(5, 4, m=1, angular=angular).double(),
+                              WSoftmaxLoss(5, 4, angular).double(),
+                              GASoftmaxLoss(5, 4, m=3, angular=angular).double())
+    torch.testing.assert_close(one.loss(x, y), w.loss(x, y))
+    assert float(ga.loss(x, y).detach()) > float(w.loss(x, y).detach())
+    assert w(x).abs().max() <= x.norm(dim=1).max() + 1e-12  # logits are ||x|| g(theta)
+
+
+def test_linear_ga_target_is_linear_in_theta_without_saddle_points():
+    x, y = _features(11)
+    head = GASoftmaxLoss(5, 4, m=4, angular="linear").double()
+    theta = torch.arccos(head.cosine(x).gather(1, y[:, None]))
+    target = head.margin_logits(x, y).gather(1, y[:, None])
+    torch.testing.assert_close(target, x.norm(dim=1, keepdim=True) * (1 - 8 * theta / math.pi))
+    t = torch.linspace(0.01, math.pi - 0.01, 200, dtype=torch.float64, requires_grad=True)
+    (slope,) = torch.autograd.grad(angular_function(4 * t, "linear").sum(), t)
+    torch.testing.assert_close(slope, torch.full_like(slope, -8 / math.pi))
+
+
+def test_s_softmax_uses_a_fixed_scale():
+    x, y = _features(12)
+    head = WSoftmaxLoss(5, 4, "sigmoid", k=0.3, s=16.0).double()
+    torch.testing.assert_close(head(x), 16.0 * angular_activation(head.cosine(x), "sigmoid", 0.3))
+    torch.testing.assert_close(head(3 * x), head(x))
+
+
+@pytest.mark.parametrize("angular", ANGULAR)
+def test_ga_softmax_gradcheck_and_finite_at_cos_one(angular):
+    x, y = _features(13)
+    head = GASoftmaxLoss(5, 4, m=2, angular=angular).double()
+    x.requires_grad_(True)
+    assert torch.autograd.gradcheck(lambda f: head.loss(f, y), (x,))
+    aligned = head.weight.detach()[y].clone().requires_grad_(True)  # cos(theta_y) = 1 exactly
+    head.loss(aligned, y).backward()
+    assert torch.isfinite(aligned.grad).all() and torch.isfinite(head.weight.grad).all()
+
+
+def test_ga_softmax_bad_arguments():
+    with pytest.raises(ValueError, match="integer"):
+        GASoftmaxLoss(5, 4, m=1.5, angular="cosine")
+    with pytest.raises(ValueError, match="m must be"):
+        GASoftmaxLoss(5, 4, m=0.5)
+    with pytest.raises(ValueError, match="angular must be one of"):
+        WSoftmaxLoss(5, 4, "arc")
+    with pytest.raises(ValueError, match="k must be"):
+        GASoftmaxLoss(5, 4, angular="sigmoid", k=0.0)
+
+
+@pytest.mark.parametrize("head", _all_heads() + [GASoftmaxLoss(D, C, m=2, angular="sigmoid", k=0.3)],
+                         ids=lambda h: type(h).__name__)
+def test_heads_compile_without_graph_breaks(head):
+    """No data-dependent check on the loss path: ``torch.compile(fullgraph=True)`` traces the whole loss."""
+    torch.compiler.reset()  # each case compiles afresh (no recompile limit across cases)
+    x, y = _batch(seed=5, dtype=torch.float32)
+    x.requires_grad_(True)
+    compiled = torch.compile(head.loss, fullgraph=True, backend="aot_eager")
+    value = compiled(x, y)
+    (grad,) = torch.autograd.grad(value, x)
+    (grad_ref,) = torch.autograd.grad(head.loss(x, y), x)
+    torch.testing.assert_close(value, head.loss(x, y))
+    torch.testing.assert_close(grad, grad_ref)

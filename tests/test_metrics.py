@@ -63,14 +63,14 @@ def test_angle_and_norm_probes():
     assert metrics.polar_angle_accuracy(x2[:300], y[:300], x2[300:], y[300:], 3) < 0.6
     with pytest.raises(ValueError, match=r"need Tensor\[N, 2\]"):
         metrics.polar_angle_accuracy(torch.randn(5, 3), y[:5], torch.randn(5, 3), y[:5], 3)
-    with pytest.raises(ValueError, match="bins must be >= 1"):
+    with pytest.raises(ValueError, match="bins must be an integer >= 1"):
         metrics.histogram_bayes_accuracy(r[:, 0], y, r[:, 0], y, 3, bins=0)
 
 
 def test_label_checks():
     with pytest.raises(ValueError, match="int64"):
         metrics.accuracy(torch.randn(3, 2), torch.tensor([0, 1, 1], dtype=torch.int32))
-    with pytest.raises(ValueError, match=r"labels must lie in \[0, 1\]"):
+    with pytest.raises(ValueError, match=r"labels must lie in \[0, 2\)"):
         metrics.accuracy(torch.randn(3, 2), torch.tensor([0, 1, 2]))
     with pytest.raises(ValueError, match=r"Tensor\[3\]"):
         metrics.accuracy(torch.randn(3, 2), torch.tensor([0, 1]))
@@ -91,7 +91,7 @@ def test_angular_fisher_score_zero_for_identical_directions_and_scale_invariant(
     assert metrics.angular_fisher_score(noisy * scale, labels) == pytest.approx(score)
     tighter = metrics.angular_fisher_score(features + 0.1 * torch.randn(6, 3, generator=g, dtype=torch.float64), labels)
     assert tighter < score
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="at least two classes"):
         metrics.angular_fisher_score(features, torch.zeros(6, dtype=torch.long))
 
 
@@ -101,8 +101,10 @@ def test_sample_pairs_balanced_and_correct():
     assert pairs.shape == (200, 2) and int(same.sum()) == 100
     assert torch.equal(labels[pairs[:, 0]] == labels[pairs[:, 1]], same)
     assert bool((pairs[same, 0] != pairs[same, 1]).all())
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="n_pairs must be an even integer >= 2"):
         metrics.sample_pairs(labels, 3)
+    with pytest.raises(ValueError, match="n_pairs must be an integer >= 2"):
+        metrics.sample_pairs(labels, True)
 
 
 def test_verification_accuracy_perfect_random_and_bad_args():
@@ -114,9 +116,9 @@ def test_verification_accuracy_perfect_random_and_bad_args():
     scores = torch.rand(2000, generator=g, dtype=torch.float64)
     chance = metrics.verification_accuracy(scores, torch.rand(2000, generator=g) < 0.5)[0]
     assert 0.4 < chance < 0.6
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"folds must be an integer in \[2, 5\]"):
         metrics.verification_accuracy(scores[:5], same[:5], folds=10)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="same a bool"):
         metrics.verification_accuracy(scores[:100], same.long())
 
 

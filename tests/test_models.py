@@ -4,6 +4,7 @@ import pytest
 import torch
 from torch import nn
 
+from sphereml import models
 from sphereml.models import MLP, Classifier, ConvAutoencoder, ConvNet, get_layer
 
 
@@ -46,6 +47,12 @@ def test_bad_layer_names_and_shapes():
     with pytest.raises(ValueError, match="too small for 3"):
         ConvNet(1, 2, widths=(4, 4, 4), image_size=7)
     assert ConvNet(1, 2, widths=(4, 4, 4), image_size=28)(torch.zeros(1, 1, 28, 28)).shape == (1, 2)  # 28->14->7->3
+    with pytest.raises(ValueError, match="feature_dim must be an integer >= 1"):
+        ConvNet(1, 0)
+    with pytest.raises(ValueError, match="depth must be an integer >= 1"):
+        ConvNet(1, 2, depth=True)
+    with pytest.raises(ValueError, match="widths must name at least one stage"):
+        ConvNet(1, 2, widths=())
 
 
 def test_classifier_exposes_features_and_weight():
@@ -90,14 +97,57 @@ def test_block_cnn_matches_the_paper_sizes():
     cnn2 = BlockCNN(in_channels=3, width=128, image_size=32)
     assert sum(p.numel() for p in cnn2.parameters()) == 458_890
     assert BlockCNN(width=8)(torch.randn(2, 1, 28, 28)).shape == (2, 10)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="too small for 4 blocks"):
         BlockCNN(width=8, image_size=4, padding=0)
+    with pytest.raises(ValueError, match=r"padding must be an integer in \[0, 2\]"):
+        BlockCNN(width=8, padding=3)
+    with pytest.raises(ValueError, match="width must be an integer >= 1"):
+        BlockCNN(width=True)
 
 
 def test_resnet18_shapes_and_size():
-    from sphereml.models import conv_weights, resnet18
+    from sphereml.models import resnet18
 
     net = resnet18()
     assert net(torch.randn(2, 3, 32, 32)).shape == (2, 10)
     assert 11.1e6 < sum(p.numel() for p in net.parameters()) < 11.2e6
-    assert len(conv_weights(net)) == 20
+    assert sum(isinstance(m, nn.Conv2d) for m in net.modules()) == 20
+
+
+def test_sphere_factories():
+    from sphereml.sphereconv import SphereConv2d, SphereLinear
+
+    net = models.spherenet(9, angular="sigmoid", k=0.3, widths=(4, 6, 8), in_channels=1, image_size=28,
+                           feature_dim=16, sphere_fc=True)
+    convs = [m for m in net.modules() if isinstance(m, nn.Conv2d)]
+    assert len(convs) == 9 and all(isinstance(m, SphereConv2d) and m.angular == "sigmoid" for m in convs)
+    assert isinstance(net.feature, SphereLinear)
+    assert net(torch.randn(2, 1, 28, 28)).shape == (2, 16)
+    assert type(models.spherenet(3, widths=(4, 6, 8), feature_dim=16).feature) is nn.Linear
+    plain = models.plain_cnn(18, in_channels=3, image_size=32)
+    assert sum(isinstance(m, nn.Conv2d) for m in plain.modules()) == 18
+    assert sum(isinstance(m, nn.BatchNorm2d) for m in plain.modules()) == 18
+    assert plain.feature.out_features == 256
+    with pytest.raises(ValueError, match="multiple of 3"):
+        models.plain_cnn(10)
+    with pytest.raises(ValueError, match="multiple of 3"):
+        models.plain_cnn(True)
+    v1, v2 = models.sphere_resnet(32), models.sphere_resnet(32, sphere_shortcut=False)
+    assert sum(isinstance(m, nn.Conv2d) for m in v1.modules()) == 1 + 30 + 2
+    assert all(isinstance(m, SphereConv2d) for m in v1.modules() if isinstance(m, nn.Conv2d))
+    shortcuts = [b.shortcut[0] for b in v2.stages if isinstance(b.shortcut, nn.Sequential)]
+    assert len(shortcuts) == 2 and not any(isinstance(m, SphereConv2d) for m in shortcuts)
+    assert v1(torch.randn(2, 3, 32, 32)).shape == (2, 10)
+    with pytest.raises(ValueError, match="6n \\+ 2"):
+        models.resnet(30)
+    assert [len(models.resnet(d).stages) for d in (20, 32)] == [9, 15]
+
+
+def test_classifier_loss_is_cross_entropy_for_a_plain_head():
+    torch.manual_seed(0)
+    model = Classifier(MLP(6, 4, hidden=(8,)), 3)
+    x, y = torch.randn(5, 6), torch.tensor([0, 1, 2, 0, 1])
+    loss, logits = model.loss_and_logits(x, y)
+    torch.testing.assert_close(logits, model(x))
+    torch.testing.assert_close(loss, torch.nn.functional.cross_entropy(model(x), y))
+

@@ -4,7 +4,7 @@ from torch import nn
 
 from sphereml.data import sphere_clusters, split_dataset
 from sphereml.models import MLP, Classifier
-from sphereml.train import evaluate, fit, resolve_device, seed_everything
+from sphereml.train import Tracker, evaluate, fit, num_steps, resolve_device, seed_everything
 
 
 def make(seed=0, dropout=True):
@@ -71,10 +71,14 @@ def test_regularizer_and_callbacks_are_applied(toy):
     train, _ = toy
     seen = []
     model = make(dropout=False)
-    strong = lambda m: 10.0 * sum((p ** 2).sum() for p in m.parameters())  # noqa: E731
-    hist = fit(model, train, epochs=3, lr=1e-2, regularizer=strong, callbacks=[lambda s: seen.append(s.step)],
-               device="cpu", progress=False)
-    assert seen == list(range(1, len(hist.steps) + 1))
+    strong = lambda: 10.0 * sum((p ** 2).sum() for p in model.parameters())  # noqa: E731  bound to model
+    tracker, later = Tracker(lambda state: state.loss, every=4), Tracker(lambda state: state.step, 5, False)
+    hist = fit(model, train, epochs=3, lr=1e-2, regularizer=strong,
+               callbacks=[lambda s: seen.append(s.step), tracker, later], device="cpu", progress=False)
+    assert later.steps == later.values == list(range(5, len(seen) + 1, 5))
+    assert seen == list(range(1, len(hist.steps) + 1)) and len(seen) == num_steps(train, 3, 128)
+    assert tracker.steps == [1] + list(range(4, len(seen) + 1, 4))
+    assert tracker.values == [hist.steps[i - 1] for i in tracker.steps]
     assert all(r > 0 for r in hist["reg"])
     plain = make(dropout=False)
     fit(plain, train, epochs=3, lr=1e-2, device="cpu", progress=False)
@@ -102,6 +106,20 @@ def test_bad_arguments(toy):
         fit(make(), train, epochs=1, optimizer="lbfgs", device="cpu")
     with pytest.raises(ValueError, match="seed must be an integer"):
         seed_everything(-3)
+    with pytest.raises(ValueError, match="seed must be an integer"):
+        seed_everything(True)
+    with pytest.raises(ValueError, match="epochs must be an integer >= 0"):
+        fit(make(), train, epochs=True)
+    with pytest.raises(ValueError, match="lr must be a finite number > 0"):
+        fit(make(), train, epochs=1, lr=0.0)
+    with pytest.raises(ValueError, match="every must be an integer >= 1"):
+        Tracker(lambda s: 0.0, every=0)
+    with pytest.raises(ValueError, match="batch_size must be an integer >= 1"):
+        num_steps(100, 1, batch_size=True)
+
+
+def test_num_steps_counts_batches():
+    assert num_steps(135, 15, 32) == 75 and num_steps(128, 1, 128) == 1 and num_steps(0, 3) == 0
 
 
 @pytest.mark.needs_cuda

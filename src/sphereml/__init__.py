@@ -1,21 +1,36 @@
 """sphereml: deep representation learning on the hypersphere — the library behind the book.
 
-Modules (one concept each): :mod:`~sphereml.geometry`, :mod:`~sphereml.data`,
-:mod:`~sphereml.models`, :mod:`~sphereml.train`, :mod:`~sphereml.metrics`,
-:mod:`~sphereml.margins`, :mod:`~sphereml.sphereconv`, :mod:`~sphereml.energy`, :mod:`~sphereml.convsim`,
-:mod:`~sphereml.regularizers`,
-:mod:`~sphereml.viz`, :mod:`~sphereml.book`.
+One concept per module:
+
+* :mod:`~sphereml.geometry` — normalisation, cosines and safe angles, sphere sampling, cos(m theta), psi_m.
+* :mod:`~sphereml.angular` — angular activations g(theta), stable arccos, their fused autograd nodes.
+* :mod:`~sphereml.margins` — margin heads: normalised, L-, A-, GA-, W-Softmax, CosFace, ArcFace.
+* :mod:`~sphereml.schedules` — the lambda schedule that phases a multiplicative margin in.
+* :mod:`~sphereml.sphereconv` — SphereConv2d, SphereLinear, SphereNorm and the unfold reference.
+* :mod:`~sphereml.energy` — hyperspherical energy with dense, tiled and Triton backends.
+* :mod:`~sphereml.convsim` — convolutional similarity of kernels (pure tensor math).
+* :mod:`~sphereml.regularizers` — regularisers bound to a model's layers once: orthonormality,
+  convolutional similarity, MHE.
+* :mod:`~sphereml.models` — the book's networks, built from operator factories; ``Classifier``.
+* :mod:`~sphereml.data` — Fashion-MNIST, digits, CIFAR-10/100, synthetic sphere data.
+* :mod:`~sphereml.train` — ``fit`` / ``evaluate``: seeding, devices, history, checkpoints, callbacks.
+* :mod:`~sphereml.metrics` — accuracy, angular hardness and Fisher score, verification.
+* :mod:`~sphereml.timing` — round-robin timing with ratios to a baseline.
+* :mod:`~sphereml.viz` — the book's plotting style and helpers.
+* :mod:`~sphereml.chapter` — the chapter runtime: profiles, figures, metrics, claim records.
+* ``sphereml.book`` — the papermill runner (``python -m sphereml.book``); not imported here.
 """
 
-from . import book, convsim, data, energy, geometry, margins, metrics, models, regularizers, sphereconv, train
+from . import (angular, chapter, convsim, data, energy, geometry, margins, metrics, models, regularizers, schedules,
+               sphereconv, timing, train, viz)
 from .geometry import angle_matrix, cosine_matrix, normalize, safe_angle, sample_sphere
 from .train import evaluate, fit, resolve_device, seed_everything
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "book", "convsim", "data", "energy", "geometry", "margins", "metrics", "models", "regularizers", "sphereconv",
-    "train",
+    "angular", "chapter", "convsim", "data", "energy", "geometry", "margins", "metrics", "models", "regularizers",
+    "schedules", "sphereconv", "timing", "train", "viz",
     "normalize", "cosine_matrix", "safe_angle", "angle_matrix", "sample_sphere",
     "fit", "evaluate", "resolve_device", "seed_everything", "__version__",
 ]

@@ -1,13 +1,7 @@
-"""Chapter plumbing: profiles, per-chapter outputs, and the papermill runner.
+"""The papermill runner: execute a chapter with your own parameters (``python -m sphereml.book``).
 
-Profiles (book/reproducing.md):
-
-* ``smoke`` — seconds; exercises every code path (tests and CI);
-* ``cpu``   — minutes on two cores, real data; what the rendered book shows;
-* ``gpu``   — the seed's own scale where feasible.
-
-``auto`` resolves to ``$SPHEREML_PROFILE`` when set, else ``gpu`` when CUDA is
-available, else ``cpu``.
+The chapter runtime itself (profiles, ``Chapter``) is :mod:`sphereml.chapter`; this module is
+only the command line and the execution cache, and the package does not import it.
 
 Command line::
 
@@ -25,133 +19,15 @@ from __future__ import annotations
 
 import argparse
 import ast
-import json
 import os
 import sys
-import tempfile
 from pathlib import Path
 
-import torch
+from .chapter import repo_root
 
-__all__ = [
-    "PROFILES", "resolve_profile", "repo_root", "resolve_output_dir", "Chapter",
-    "chapter_parameters", "run_chapter", "cache_executed_notebook", "write_json", "main",
-]
-
-PROFILES = ("smoke", "cpu", "gpu")
+__all__ = ["chapter_parameters", "run_chapter", "cache_executed_notebook", "main"]
 
 
-def resolve_profile(profile: str = "auto") -> str:
-    """Map ``auto`` to ``$SPHEREML_PROFILE``, else ``gpu`` with CUDA, else ``cpu``; validate the name."""
-    if profile == "auto":
-        profile = os.environ.get("SPHEREML_PROFILE") or ("gpu" if torch.cuda.is_available() else "cpu")
-    if profile not in PROFILES:
-        raise ValueError(f"profile must be 'auto' or one of {PROFILES}, got {profile!r}")
-    return profile
-
-
-def repo_root(start: str | os.PathLike | None = None) -> Path | None:
-    """The nearest folder at or above ``start`` (default: cwd) that holds ``_toc.yml``."""
-    here = Path(start or Path.cwd()).resolve()
-    for folder in (here, *here.parents):
-        if (folder / "_toc.yml").is_file():
-            return folder
-    return None
-
-
-def resolve_output_dir(chapter: str, output_dir: str | os.PathLike = "") -> Path:
-    """Where a chapter writes figures and metrics: ``output_dir`` if given, else ``$SPHEREML_OUTPUT``,
-    else ``<repo>/_build/runs/<chapter>`` (``./_build/runs/<chapter>`` outside the repository)."""
-    if output_dir:
-        return Path(output_dir)
-    if os.environ.get("SPHEREML_OUTPUT"):
-        return Path(os.environ["SPHEREML_OUTPUT"])
-    return (repo_root() or Path.cwd()) / "_build" / "runs" / chapter
-
-
-def write_json(obj, path: str | os.PathLike) -> Path:
-    """Write ``obj`` as indented JSON atomically (temporary file, then rename)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(obj, f, indent=2, sort_keys=True, default=_jsonable)
-        os.replace(tmp, path)
-    finally:
-        Path(tmp).unlink(missing_ok=True)
-    return path
-
-
-def _jsonable(x):
-    if isinstance(x, torch.Tensor):
-        return x.tolist()
-    if hasattr(x, "item"):
-        return x.item()
-    if isinstance(x, Path):
-        return str(x)
-    raise TypeError(f"cannot write {type(x).__name__} as JSON")
-
-
-class Chapter:
-    """One chapter's run: resolved profile and device, seeding, figure and metrics output.
-
-    Args:
-        name (str): the notebook stem, e.g. ``"01_hypersphere"``.
-        profile (str): ``auto``, ``smoke``, ``cpu`` or ``gpu``.
-        device (str): ``auto``, ``cpu`` or ``cuda``.
-        seed (int): seeds Python, NumPy and torch.
-        output_dir (str): see :func:`resolve_output_dir`.
-        params (dict, optional): the parameters cell, snapshotted into ``metrics.json``.
-    """
-
-    def __init__(self, name: str, profile: str = "auto", device: str = "auto", seed: int = 0,
-                 output_dir: str = "", params: dict | None = None):
-        from . import viz
-        from .train import resolve_device, seed_everything
-
-        self.name = name
-        self.profile = resolve_profile(profile)
-        self.device = resolve_device(device)
-        self.seed = seed
-        seed_everything(seed)
-        self.output_dir = resolve_output_dir(name, output_dir)
-        self.output_dir.mkdir(parents=True, exist_ok=True)
-        self.metrics: dict = {
-            "chapter": name, "profile": self.profile, "device": str(self.device),
-            "device_name": torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu",
-            "torch": torch.__version__, "params": dict(params or {}), "threads": torch.get_num_threads(),
-        }
-        self.figures: list[str] = []
-        viz.set_style()
-        self.write()
-
-    def pick(self, **by_profile):
-        """The value for the active profile, e.g. ``ch.pick(smoke=1, cpu=8, gpu=50)``."""
-        missing = [p for p in PROFILES if p not in by_profile]
-        if missing:
-            raise ValueError(f"pick() needs a value for every profile; missing {missing}")
-        return by_profile[self.profile]
-
-    def savefig(self, fig, name: str, show: bool = True) -> None:
-        """Save ``fig`` as ``<output_dir>/<name>.png``, list it in the metrics, and show it."""
-        from .viz import save_and_show
-
-        path = save_and_show(fig, self.output_dir / f"{name}.png", show=show)
-        self.figures.append(path.name)
-        self.metrics["figures"] = sorted(set(self.figures))
-        self.write()
-
-    def record(self, **values) -> None:
-        """Add results to the metrics and rewrite ``metrics.json``."""
-        self.metrics.update(values)
-        self.write()
-
-    def write(self) -> Path:
-        return write_json(self.metrics, self.output_dir / "metrics.json")
-
-
-# ------------------------------------------------------------------------------ runner
 def _notebooks_dir(notebooks_dir=None) -> Path:
     if notebooks_dir is not None:
         return Path(notebooks_dir)

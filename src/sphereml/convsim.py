@@ -1,5 +1,8 @@
 """Convolutional similarity: feature-map orthogonality from the kernels alone (seed 004).
 
+Pure tensor math on kernels: nothing here walks a model (the per-model sums and the iterative
+initialisation live in :mod:`sphereml.regularizers`).
+
 Conventions (paper §3).  For sequences, the cross-correlation is
 (X ⊛ K)[i] = sum_n K[n] X[i + n] and the convolution (X * K)[i] = sum_n K[n] X[i - n];
 PyTorch's ``conv1d``/``conv2d`` compute the cross-correlation.  With padding P of a length-N
@@ -28,12 +31,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .models import conv_weights
+from ._checks import integer, one_of
 
 __all__ = [
     "padding_for", "cross_correlate", "convolve", "kernel_correlation", "autocorrelation",
-    "feature_maps", "feature_map_similarity", "conv_similarity", "pair_similarity", "model_similarity",
-    "iterative_initialization",
+    "feature_maps", "feature_map_similarity", "conv_similarity", "pair_similarity",
 ]
 
 MODES = ("full", "same", "valid")
@@ -117,8 +119,7 @@ def kernel_correlation(k1: Tensor, k2: Tensor) -> Tensor:
 def autocorrelation(x: Tensor, max_lag: int) -> Tensor:
     """(X ⊛ X)[n] = sum_i X[i] X[i + n] for ``abs(n) <= max_lag`` per axis (single-channel X)."""
     d = _spatial_dims(x, 0)
-    if max_lag < 0:
-        raise ValueError(f"max_lag must be >= 0, got {max_lag}")
+    integer("max_lag", max_lag, at_least=0)
     return _CONV[d](F.pad(x, (max_lag,) * 2 * d)[None, None], x[None, None])[0, 0]
 
 
@@ -241,8 +242,7 @@ def conv_similarity(weight: Tensor, mode: str | int = "full", method: str = "aut
         0-dim Tensor, differentiable with respect to ``weight``.
     """
     d = _check_weight(weight)
-    if method not in METHODS:
-        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    one_of("method", method, METHODS)
     n = _square_kernel_size(weight, d)
     pad = padding_for(mode, n)
     if method == "fft" and pad != n - 1:
@@ -255,49 +255,3 @@ def conv_similarity(weight: Tensor, mode: str | int = "full", method: str = "aut
     spectra = _power_spectra(weight)  # (S, L^d)
     total = spectra.sum(0)
     return (total.pow(2).sum() - spectra.pow(2).sum()) / (2 * spectra.shape[1])
-
-
-
-def model_similarity(model: torch.nn.Module, mode: str | int = "full", method: str = "auto",
-                     normalized: bool = False) -> Tensor:
-    """The sum of :func:`conv_similarity` over every conv layer of ``model`` (the paper's sum over layers)."""
-    weights = conv_weights(model)
-    if not weights:
-        raise ValueError("the model has no convolution layer")
-    return sum(conv_similarity(w, mode, method, normalized) for w in weights)
-
-
-def iterative_initialization(model: torch.nn.Module, steps: int, lr: float = 1e-3, betas=(0.9, 0.999),
-                             mode: str | int = "full", normalized: bool = False) -> dict[str, list[float]]:
-    """Minimise the summed L_CS of every conv layer with Adam before training (paper Algorithm 1).
-
-    Only conv weights change.  Returns the history of the loss and of the total squared kernel
-    norm sum_layers ||W||^2, which the paper does not track: L_CS is homogeneous of degree 4,
-    so gradient descent on it also shrinks the kernels (see the chapter).
-
-    Args:
-        model (nn.Module): trained in place.
-        steps (int): number of Adam steps I >= 0 (the paper uses 500 for its CNNs, 200 for ResNet-18).
-        lr (float), betas: Adam settings (paper: 1e-3 and (0.5, 0.999) for ResNet-18).
-    """
-    if not isinstance(steps, int) or steps < 0:
-        raise ValueError(f"steps must be an integer >= 0, got {steps!r}")
-    weights = conv_weights(model)
-    if not weights:
-        raise ValueError("the model has no convolution layer")
-    opt = torch.optim.Adam(weights, lr=lr, betas=betas)
-    history: dict[str, list[float]] = {"loss": [], "squared_norm": []}
-
-    def layer_loss() -> Tensor:
-        loss = model_similarity(model, mode, "auto", normalized)
-        history["loss"].append(float(loss.detach()))
-        history["squared_norm"].append(float(sum(w.detach().pow(2).sum() for w in weights)))
-        return loss
-
-    for _ in range(steps):
-        opt.zero_grad(set_to_none=True)
-        layer_loss().backward()
-        opt.step()
-    with torch.no_grad():
-        layer_loss()  # the state after the last step
-    return history

@@ -35,7 +35,7 @@ __all__ = [
     "FASHION_MNIST_CLASSES",
     "load_fashion_mnist",
     "load_digits",
-    "load_cifar",
+    "find_cifar", "load_cifar",
     "RandomCropFlip",
     "sphere_clusters",
     "take_subset",
@@ -223,6 +223,18 @@ def load_digits(split: str = "train", test_fraction: float = 0.25, seed: int = 0
 
 
 # -------------------------------------------------------------------------- CIFAR
+def find_cifar(num_classes: int = 10, root=None) -> Path | None:
+    """The local CIFAR archive (``cifar-10-python.tar.gz`` / ``cifar-100-python.tar.gz``), or None.
+
+    Looks in the folders of :func:`search_paths` (``root``, ``$SPHEREML_DATA/cifar-N``,
+    ``/usr/share/datasets/cifar-N``, ``~/.cache/sphereml/cifar-N``); nothing is downloaded or verified.
+    """
+    if num_classes not in _CIFAR_ARCHIVES:
+        raise ValueError(f"num_classes must be 10 or 100, got {num_classes!r}")
+    filename = _CIFAR_ARCHIVES[num_classes][0]
+    return next((p / filename for p in search_paths(f"cifar-{num_classes}", root) if (p / filename).is_file()), None)
+
+
 def load_cifar(num_classes: int = 10, split: str = "train", root=None, download: bool = False) -> TensorDataset:
     """CIFAR-10 or CIFAR-100 (Krizhevsky, 2009) from the official python archive.
 
@@ -235,11 +247,9 @@ def load_cifar(num_classes: int = 10, split: str = "train", root=None, download:
     Returns:
         TensorDataset of images Tensor[N, 3, 32, 32] in [0, 1] and labels Tensor[N].
     """
-    if num_classes not in _CIFAR_ARCHIVES:
-        raise ValueError(f"num_classes must be 10 or 100, got {num_classes!r}")
+    path = find_cifar(num_classes, root)
     _check_split(split)
     filename, algorithm, checksum, url = _CIFAR_ARCHIVES[num_classes]
-    path = next((p / filename for p in search_paths(f"cifar-{num_classes}", root) if (p / filename).is_file()), None)
     if path is None:
         if not download:
             looked = ", ".join(str(p) for p in search_paths(f"cifar-{num_classes}", root))

@@ -20,10 +20,11 @@ import math
 import torch
 from torch import Tensor
 
-from ._checks import real_number
+from ._checks import integer, real_number
 
 __all__ = [
-    "normalize", "cosine_matrix", "safe_angle", "angle_matrix", "sample_sphere", "chebyshev_cos", "psi",
+    "normalize", "cosine_matrix", "safe_angle", "angle_matrix", "sample_sphere", "integer_margin", "chebyshev_cos",
+    "psi", "multiplicative_psi", "arcface_psi",
 ]
 
 
@@ -120,10 +121,8 @@ def sample_sphere(
     Returns:
         Tensor[n, d] of unit rows.
     """
-    if not isinstance(n, int) or n < 0:
-        raise ValueError(f"n must be an integer >= 0, got {n!r}")
-    if not isinstance(d, int) or d < 1:
-        raise ValueError(f"d must be an integer >= 1, got {d!r}")
+    integer("n", n, at_least=0)
+    integer("d", d, at_least=1)
     z = torch.randn(n, d, generator=generator, dtype=dtype, device=device)  # (n, d)
     # A Gaussian draw of exactly zero has probability zero; redraw it anyway.
     while n and bool((torch.linalg.vector_norm(z, dim=1) == 0).any()):
@@ -132,7 +131,8 @@ def sample_sphere(
     return normalize(z)
 
 
-def _check_integer_margin(m) -> int:
+def integer_margin(m) -> int:
+    """``m`` as an int if it is an integer (or an integral float) >= 1: the margin of eqs. 2.6-2.8."""
     if isinstance(m, bool) or not isinstance(m, int) and not (isinstance(m, float) and m.is_integer()):
         raise ValueError(f"m must be an integer >= 1 for the multiple-angle formula, got {m!r}")
     if m < 1:
@@ -156,7 +156,7 @@ def chebyshev_cos(cos: Tensor, m: int) -> Tensor:
     Returns:
         Tensor of the same shape.
     """
-    m = _check_integer_margin(m)
+    m = integer_margin(m)
     prev, cur = torch.ones_like(cos), cos
     for _ in range(m - 1):
         prev, cur = cur, 2 * cos * cur - prev
@@ -185,3 +185,41 @@ def psi(theta: Tensor, m: int | float) -> Tensor:
     k = torch.floor(theta.detach() * m / math.pi).clamp(0, math.ceil(m) - 1)
     sign = 1 - 2 * torch.remainder(k, 2)  # (-1)^k
     return sign * torch.cos(m * theta) - 2 * k
+
+
+def multiplicative_psi(cos: Tensor, m: int) -> Tensor:
+    """psi(theta) of eq. 2.6 evaluated from c = cos(theta) (eq. 2.8), see Note [margin without arccos] in
+    :mod:`sphereml.margins`.
+
+    Args:
+        cos (Tensor): cosines in [-1, 1].
+        m (int): integer margin >= 1.
+
+    Returns:
+        Tensor of the same shape, (-1)^k T_m(c) - 2k with k = floor(m arccos(c) / pi) in 0..m-1.
+    """
+    m = integer_margin(m)
+    with torch.no_grad():
+        theta = torch.arccos(cos.clamp(-1.0, 1.0))
+        k = torch.floor(theta * m / math.pi).clamp(0, m - 1)
+        sign = 1 - 2 * torch.remainder(k, 2)
+    return sign * chebyshev_cos(cos, m) - 2 * k
+
+
+def arcface_psi(cos: Tensor, m: float, eps: float = 1e-6) -> Tensor:
+    """The additive angular margin cos(theta + m) (L_a2), made monotone on the whole of [0, pi].
+
+    cos(theta + m) rises again once theta + m > pi, so for theta > pi - m it would
+    reward moving *away* from the class.  There we continue with the CosFace-type
+    line psi = cos(theta) - (1 - cos m): it meets cos(theta + m) = -1 at theta = pi - m
+    (continuous), decreases, and stays below cos(theta).  (InsightFace's tail
+    cos(theta) - m sin(m) is monotone too but jumps down at pi - m.)
+
+    sin(theta) = sqrt(max(1 - c^2, eps)), so the gradient stays finite at c = +-1 (the
+    exact d psi / dc = cos m + sin m cos(theta) / sin(theta) is infinite at theta = 0); the
+    value is exact for theta above about sqrt(eps) = 1e-3 rad.
+    """
+    sin_theta = torch.sqrt((1.0 - cos * cos).clamp_min(eps))
+    rotated = cos * math.cos(m) - sin_theta * math.sin(m)
+    tail = cos - (1.0 - math.cos(m))
+    return torch.where(cos < -math.cos(m), tail, rotated)

@@ -41,97 +41,18 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ._checks import real_number
-from .geometry import _check_integer_margin, chebyshev_cos, normalize, psi
-from .sphereconv import _check_angular, angular_activation, angular_function, stable_arccos
+from ._checks import integer, labels as check_labels, real_number
+from .angular import angular_activation, angular_function, check_angular, stable_arccos
+from .geometry import arcface_psi, integer_margin, multiplicative_psi, normalize, psi
+from .schedules import LambdaSchedule
 
 __all__ = [
-    "LambdaSchedule", "multiplicative_psi", "arcface_psi",
+    "LambdaSchedule",
     "NormalizedSoftmaxLoss", "LSoftmaxLoss", "ASoftmaxLoss", "CosFaceLoss", "ArcFaceLoss",
-    "GASoftmaxLoss", "WSoftmaxLoss", "head_loss",
+    "GASoftmaxLoss", "WSoftmaxLoss",
 ]
 
-_ACOS_EPS = 1e-7  # keeps arccos (no_grad only) away from +-1
-
-
-class LambdaSchedule(nn.Module):
-    """The annealing weight lambda(t) = max(lambda_min, base (1 + gamma t)^(-power)) (thesis §2.2.7, App. A.7).
-
-    The annealed target logit is (lambda * softmax logit + margin logit) / (1 + lambda):
-    a very large lambda is plain softmax, lambda = 0 the full margin.  The thesis gives
-    only lambda_min = 5 for faces; the presets are the authors' released settings.
-
-    The step counter ``t`` is a buffer, so it is saved in the owning head's ``state_dict``
-    and a resumed run continues the schedule.  A head advances it by one on every
-    training-mode call of ``loss`` (never in eval mode).
-
-    Args:
-        base (float): lambda at t = 0. Default: 1000.
-        gamma (float): time scale. Default: 0.12.
-        power (float): decay exponent. Default: 1.
-        lambda_min (float): floor. Default: 0.
-    """
-
-    def __init__(self, base: float = 1000.0, gamma: float = 0.12, power: float = 1.0, lambda_min: float = 0.0):
-        super().__init__()
-        self.base, self.gamma, self.power, self.lambda_min = (
-            real_number(name, value, at_least=0.0)
-            for name, value in (("base", base), ("gamma", gamma), ("power", power), ("lambda_min", lambda_min)))
-        self.register_buffer("step", torch.zeros((), dtype=torch.long))
-
-    @classmethod
-    def lsoftmax(cls) -> "LambdaSchedule":
-        """The released L-Softmax MNIST example: base 1000, gamma 2.5e-5, power 35, lambda_min 0."""
-        return cls(base=1000.0, gamma=2.5e-5, power=35.0, lambda_min=0.0)
-
-    @classmethod
-    def sphereface(cls) -> "LambdaSchedule":
-        """The released SphereFace face model: base 1000, gamma 0.12, power 1, lambda_min 5."""
-        return cls(base=1000.0, gamma=0.12, power=1.0, lambda_min=5.0)
-
-    @classmethod
-    def reaching(cls, lambda_min: float, steps: int, fraction: float = 0.4, base: float = 1000.0) -> "LambdaSchedule":
-        """A power-1 schedule from ``base`` that reaches ``lambda_min`` after ``fraction * steps`` steps.
-
-        The released schedules assume tens of thousands of iterations; this compresses the same
-        shape into a short run.  A floor of 0 is treated as 1 for the timing (it is then approached
-        like 1 / t).
-        """
-        if not isinstance(steps, int) or steps < 1:
-            raise ValueError(f"steps must be an integer >= 1, got {steps!r}")
-        fraction = real_number("fraction", fraction, above=0.0)
-        gamma = (base / max(lambda_min, 1.0) - 1.0) / max(fraction * steps, 1.0)
-        return cls(base=base, gamma=max(gamma, 0.0), power=1.0, lambda_min=lambda_min)
-
-    def value(self, step: int | None = None) -> float:
-        """lambda at ``step`` (default: the current step)."""
-        t = int(self.step) if step is None else step
-        return max(self.lambda_min, self.base * (1.0 + self.gamma * t) ** (-self.power))
-
-    def advance(self) -> None:
-        self.step += 1
-
-    def extra_repr(self) -> str:
-        return (f"base={self.base}, gamma={self.gamma}, power={self.power}, lambda_min={self.lambda_min}, "
-                f"step={int(self.step)}")
-
-
-def multiplicative_psi(cos: Tensor, m: int) -> Tensor:
-    """psi(theta) of eq. 2.6 evaluated from c = cos(theta) (eq. 2.8), see Note [margin without arccos].
-
-    Args:
-        cos (Tensor): cosines in [-1, 1].
-        m (int): integer margin >= 1.
-
-    Returns:
-        Tensor of the same shape, (-1)^k T_m(c) - 2k with k = floor(m arccos(c) / pi) in 0..m-1.
-    """
-    m = _check_integer_margin(m)
-    with torch.no_grad():
-        theta = torch.arccos(cos.clamp(-1.0, 1.0))
-        k = torch.floor(theta * m / math.pi).clamp(0, m - 1)
-        sign = 1 - 2 * torch.remainder(k, 2)
-    return sign * chebyshev_cos(cos, m) - 2 * k
+_ACOS_EPS = 1e-7  # keeps arccos (no_grad only) away from +-1 in the detached margin
 
 
 def _detached_psi(cos: Tensor, m: float) -> Tensor:
@@ -139,25 +60,6 @@ def _detached_psi(cos: Tensor, m: float) -> Tensor:
     with torch.no_grad():
         target = psi(torch.arccos(cos.clamp(-1.0 + _ACOS_EPS, 1.0 - _ACOS_EPS)), m)
     return cos + (target - cos).detach()
-
-
-def arcface_psi(cos: Tensor, m: float, eps: float = 1e-6) -> Tensor:
-    """The additive angular margin cos(theta + m) (L_a2), made monotone on the whole of [0, pi].
-
-    cos(theta + m) rises again once theta + m > pi, so for theta > pi - m it would
-    reward moving *away* from the class.  There we continue with the CosFace-type
-    line psi = cos(theta) - (1 - cos m): it meets cos(theta + m) = -1 at theta = pi - m
-    (continuous), decreases, and stays below cos(theta).  (InsightFace's tail
-    cos(theta) - m sin(m) is monotone too but jumps down at pi - m.)
-
-    sin(theta) = sqrt(max(1 - c^2, eps)), so the gradient stays finite at c = +-1 (the
-    exact d psi / dc = cos m + sin m cos(theta) / sin(theta) is infinite at theta = 0); the
-    value is exact for theta above about sqrt(eps) = 1e-3 rad.
-    """
-    sin_theta = torch.sqrt((1.0 - cos * cos).clamp_min(eps))
-    rotated = cos * math.cos(m) - sin_theta * math.sin(m)
-    tail = cos - (1.0 - math.cos(m))
-    return torch.where(cos < -math.cos(m), tail, rotated)
 
 
 class _WeightNormalizedLinear(torch.autograd.Function):
@@ -203,8 +105,7 @@ class _MarginHead(nn.Module):
         super().__init__()
         self.schedule: LambdaSchedule | None = None
         for name, value in {"in_features": in_features, "num_classes": num_classes}.items():
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+            integer(name, value, at_least=1)
         self.in_features, self.num_classes = in_features, num_classes
         self.weight = nn.Parameter(torch.empty(num_classes, in_features))
         nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))  # the nn.Linear initialisation
@@ -214,13 +115,7 @@ class _MarginHead(nn.Module):
             raise ValueError(f"features must be Tensor[B, {self.in_features}], got shape {tuple(features.shape)}")
 
     def _check_labels(self, features: Tensor, labels: Tensor) -> None:
-        if labels.dtype != torch.long:
-            raise ValueError(f"labels must be an int64 (long) tensor, got {labels.dtype}")
-        if labels.shape != features.shape[:1]:
-            raise ValueError(f"labels must be Tensor[{features.shape[0]}], got shape {tuple(labels.shape)}")
-        if labels.numel() and (int(labels.min()) < 0 or int(labels.max()) >= self.num_classes):
-            raise ValueError(f"labels must lie in [0, {self.num_classes}), got range "
-                             f"[{int(labels.min())}, {int(labels.max())}]")
+        check_labels("labels", labels, features.shape[0], self.num_classes)  # range: CPU tensors only
 
     def cosine(self, features: Tensor) -> Tensor:
         """cos(theta_j) between each feature and each class weight: Tensor[B, C]."""
@@ -338,7 +233,7 @@ class LSoftmaxLoss(_MarginHead):
 
     def __init__(self, in_features: int, num_classes: int, m: int = 4, lambda_: float | LambdaSchedule = 0.0):
         super().__init__(in_features, num_classes)
-        self.m = _check_integer_margin(m)
+        self.m = integer_margin(m)
         _init_lambda(self, lambda_)
 
     def logits(self, features: Tensor) -> Tensor:
@@ -382,7 +277,7 @@ class ASoftmaxLoss(NormalizedSoftmaxLoss):
         if detach_margin:
             self.m = real_number("m", m, at_least=1.0)
         else:
-            self.m = _check_integer_margin(m)
+            self.m = integer_margin(m)
         self.detach_margin = detach_margin
         _init_lambda(self, lambda_)
 
@@ -460,8 +355,8 @@ class GASoftmaxLoss(_MarginHead):
     def __init__(self, in_features: int, num_classes: int, m: int | float = 4, angular: str = "linear",
                  k: float = 0.3, s: float | None = None, lambda_: float | LambdaSchedule = 0.0):
         super().__init__(in_features, num_classes)
-        self.angular = _check_angular(angular)
-        self.m = _check_integer_margin(m) if self.angular == "cosine" else real_number("m", m, at_least=1.0)
+        self.angular = check_angular(angular)
+        self.m = integer_margin(m) if self.angular == "cosine" else real_number("m", m, at_least=1.0)
         self.k = real_number("k", k, above=0.0)
         self.s = _check_scale(s, allow_none=True)
         _init_lambda(self, lambda_)
@@ -503,12 +398,3 @@ class WSoftmaxLoss(GASoftmaxLoss):
     def __init__(self, in_features: int, num_classes: int, angular: str = "cosine", k: float = 0.3,
                  s: float | None = None):
         super().__init__(in_features, num_classes, m=1, angular=angular, k=k, s=s)
-
-
-def head_loss(model: nn.Module, x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
-    """``loss_fn`` for :func:`sphereml.train.fit`: a :class:`~sphereml.models.Classifier` with a margin head.
-
-    Returns:
-        (the head's margin loss, the margin-free logits, detached) for the features of ``x``.
-    """
-    return model.head.loss_and_logits(model.features(x), y)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ._checks import integer, labels as check_labels
 from .geometry import cosine_matrix, normalize, safe_angle
 
 __all__ = [
@@ -20,12 +21,7 @@ __all__ = [
 
 
 def _check_labels(labels: Tensor, n: int, num_classes: int | None = None) -> None:
-    if labels.dim() != 1 or len(labels) != n:
-        raise ValueError(f"labels must be Tensor[{n}], got shape {tuple(labels.shape)}")
-    if labels.dtype != torch.int64:
-        raise ValueError(f"labels must be int64, got {labels.dtype}")
-    if num_classes is not None and n and (labels.min() < 0 or labels.max() >= num_classes):
-        raise ValueError(f"labels must lie in [0, {num_classes - 1}]")
+    check_labels("labels", labels, n, num_classes)
 
 
 def accuracy(logits: Tensor, labels: Tensor) -> float:
@@ -117,8 +113,7 @@ def histogram_bayes_classifier(train_values: Tensor, train_labels: Tensor, num_c
     scalar can do: the probe behind :func:`norm_only_accuracy` and :func:`polar_angle_accuracy`.
     """
     _check_labels(train_labels, train_values.shape[0], num_classes)
-    if bins < 1:
-        raise ValueError(f"bins must be >= 1, got {bins}")
+    integer("bins", bins, at_least=1)
     train_values = train_values.double()
     edges = torch.quantile(train_values, torch.linspace(0, 1, bins + 1, dtype=torch.double)[1:-1])
     counts = torch.zeros(bins, num_classes, dtype=torch.double)
@@ -195,7 +190,7 @@ def sample_pairs(labels: Tensor, n_pairs: int, generator: torch.Generator | None
         (pairs Tensor[n_pairs, 2] of indices, same Tensor[n_pairs] bool).
     """
     _check_labels(labels, labels.shape[0])
-    if not isinstance(n_pairs, int) or n_pairs < 2 or n_pairs % 2:
+    if integer("n_pairs", n_pairs, at_least=2) % 2:
         raise ValueError(f"n_pairs must be an even integer >= 2, got {n_pairs!r}")
     classes, counts = labels.unique(return_counts=True)
     if len(classes) < 2 or int(counts.max()) < 2:
@@ -251,8 +246,7 @@ def verification_accuracy(scores: Tensor, same: Tensor, folds: int = 10) -> tupl
     """
     if scores.dim() != 1 or same.shape != scores.shape or same.dtype != torch.bool:
         raise ValueError("scores must be Tensor[P] and same a bool Tensor[P]")
-    if not isinstance(folds, int) or folds < 2 or len(scores) < folds:
-        raise ValueError(f"folds must be an integer in [2, {len(scores)}], got {folds!r}")
+    integer("folds", folds, at_least=2, at_most=len(scores))
     fold_of = torch.arange(len(scores)) % folds
     accs = []
     for k in range(folds):

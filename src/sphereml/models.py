@@ -19,10 +19,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ._checks import integer
 from .sphereconv import SphereConv2d, SphereLinear
 
 __all__ = [
-    "LayerType", "get_layer", "conv_weights", "ConvNet", "MLP", "Classifier", "ConvAutoencoder", "BlockCNN",
+    "LayerType", "get_layer", "ConvNet", "MLP", "Classifier", "ConvAutoencoder", "BlockCNN",
     "ResNet", "resnet18", "plain_cnn", "spherenet", "resnet", "sphere_resnet",
 ]
 
@@ -54,11 +55,6 @@ def get_layer(layer: LayerType, default: str) -> Callable[..., nn.Module]:
     raise ValueError(f"layer must be a name, a callable or None, got {layer!r}")
 
 
-def conv_weights(model: nn.Module) -> list[nn.Parameter]:
-    """The weights ``Tensor[S, C, *k]`` of every ``nn.Conv1d``/``Conv2d``/``Conv3d`` in ``model``, in module order."""
-    return [m.weight for m in model.modules() if isinstance(m, (nn.Conv1d, nn.Conv2d, nn.Conv3d))]
-
-
 class ConvNet(nn.Module):
     """Plain CNN: stages of [conv 3x3 -> norm -> act] x ``depth`` then 2x2 max-pool, then a linear feature layer.
 
@@ -88,10 +84,10 @@ class ConvNet(nn.Module):
         feature_act: bool = False,
     ):
         super().__init__()
-        if feature_dim < 1 or not widths or depth < 1:
-            raise ValueError(
-                f"need feature_dim >= 1, non-empty widths and depth >= 1, got {feature_dim}, {widths}, {depth}"
-            )
+        integer("feature_dim", feature_dim, at_least=1)
+        integer("depth", depth, at_least=1)
+        if not widths:
+            raise ValueError(f"widths must name at least one stage, got {widths!r}")
         if image_size < 2 ** len(widths):
             raise ValueError(f"image_size {image_size} is too small for {len(widths)} 2x2 poolings")
         conv = get_layer(conv_layer, "conv")
@@ -147,7 +143,9 @@ class Classifier(nn.Module):
     """A feature network followed by a classifier head.
 
     ``forward`` returns logits; :meth:`features` the penultimate features x whose
-    angles to the rows W_j of ``head.weight`` the thesis studies.
+    angles to the rows W_j of ``head.weight`` the thesis studies; :meth:`loss_and_logits`
+    is the one training loss, whatever the head (what :func:`~sphereml.train.fit` and
+    :func:`~sphereml.train.evaluate` call).
 
     Args:
         backbone (nn.Module): maps inputs to Tensor[B, feature_dim]; must expose ``feature_dim``.
@@ -167,6 +165,20 @@ class Classifier(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return self.head(self.backbone(x))  # (B, C)
+
+    def loss_and_logits(self, x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
+        """(mean training loss, logits) of a batch.
+
+        A head with its own loss (the margin heads of :mod:`sphereml.margins`: it has a
+        ``loss_and_logits(features, labels)`` method) gives its margin loss and its margin-free
+        logits, detached; any other head gives softmax cross-entropy of its logits.
+        """
+        features = self.backbone(x)  # (B, d)
+        head_loss = getattr(self.head, "loss_and_logits", None)
+        if head_loss is not None:
+            return head_loss(features, y)
+        logits = self.head(features)  # (B, C)
+        return F.cross_entropy(logits, y), logits
 
 
 class ConvAutoencoder(nn.Module):
@@ -237,8 +249,9 @@ class BlockCNN(nn.Module):
                  blocks: int = 4, padding: int = 2, conv_layer: LayerType = None, act_layer: LayerType = "leakyrelu",
                  norm_layer: LayerType = "batchnorm"):
         super().__init__()
-        if width < 1 or blocks < 1 or not 0 <= padding <= 2:
-            raise ValueError(f"need width >= 1, blocks >= 1 and padding in [0, 2], got {width}, {blocks}, {padding}")
+        integer("width", width, at_least=1)
+        integer("blocks", blocks, at_least=1)
+        integer("padding", padding, at_least=0, at_most=2)
         conv, act, norm = get_layer(conv_layer, "conv"), get_layer(act_layer, "relu"), get_layer(norm_layer, "identity")
         layers: list[nn.Module] = []
         channels, side = in_channels, image_size
@@ -314,6 +327,10 @@ def resnet18(in_channels: int = 3, num_classes: int = 10, **kwargs) -> ResNet:
     return ResNet((2, 2, 2, 2), (64, 128, 256, 512), in_channels, num_classes, **kwargs)
 
 
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def _sphere_layers(angular: str, k: float, learnable_k: bool) -> dict:
     options = {"angular": angular, "k": k, "learnable_k": learnable_k}
     return {"conv_layer": partial(SphereConv2d, **options), "linear_layer": partial(SphereLinear, **options)}
@@ -329,7 +346,7 @@ def plain_cnn(depth: int = 9, widths: tuple[int, int, int] = (64, 96, 128), in_c
     ``depth`` counts the conv layers (CNN-3, 9, 18, 45, 60, 69: 1, 3, 6, 15, 20, 23 per stage).
     Wrap it in a :class:`Classifier` to add the softmax (or a margin) head.
     """
-    if isinstance(depth, bool) or not isinstance(depth, int) or depth < 3 or depth % 3:
+    if not _is_int(depth) or depth < 3 or depth % 3:
         raise ValueError(f"depth must be a positive multiple of 3 (CNN-3, CNN-9, ...), got {depth!r}")
     if len(widths) != 3:
         raise ValueError(f"widths must give the three stages' channels, got {widths!r}")
@@ -361,7 +378,7 @@ def resnet(depth: int = 32, widths: tuple[int, int, int] = (64, 96, 128), in_cha
     Other keyword arguments (``conv_layer``, ``norm_layer``, ``act_layer``, ``shortcut_layer``) go
     to :class:`ResNet`.
     """
-    if isinstance(depth, bool) or not isinstance(depth, int) or depth < 8 or (depth - 2) % 6:
+    if not _is_int(depth) or depth < 8 or (depth - 2) % 6:
         raise ValueError(f"depth must be 6n + 2 with n >= 1 (ResNet-8, 14, 20, 32, ...), got {depth!r}")
     if len(widths) != 3:
         raise ValueError(f"widths must give the three stages' channels, got {widths!r}")

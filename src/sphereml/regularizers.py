@@ -1,8 +1,25 @@
-"""Weight regularisers added to a task loss: ``fit(..., regularizer=reg)`` calls ``reg(model)`` every step.
+"""Weight regularisers added to a task loss, each bound to a model's layers once.
 
-* :class:`Orthonormality` — ||W W^T - I||_F^2 per layer on the flattened kernels (thesis §3.2.4;
+The protocol (every regulariser follows it)::
+
+    reg = MHE(model, s=2.0)          # picks its layers here, once
+    penalty = reg()                  # a 0-dim Tensor: the weighted penalty of the current weights
+    fit(model, data, epochs=3, regularizer=reg)   # adds reg() to every step's loss
+
+Which layers a regulariser sees is decided by one rule, :func:`select_layers`:
+
+* *kinds*: ``"conv"`` is every ``nn.Conv1d`` / ``Conv2d`` / ``Conv3d`` (SphereConv included),
+  ``"linear"`` every ``nn.Linear`` (SphereLinear included) and the model's margin head;
+* *the output layer* is ``model.head`` when it has a ``weight`` (a
+  :class:`~sphereml.models.Classifier`), else the last ``nn.Linear`` in module order; each
+  regulariser says whether it includes it.
+
+Regularisers:
+
+* :class:`Orthonormality` — beta * sum ||W W^T - I||_F^2 over the flattened kernels (thesis §3.2.4;
   the baseline of the MHE chapter and the "kernel orthogonality" of the convolutional-similarity paper).
-* :class:`ConvSimilarity` — beta * sum over conv layers of L_CS (seed 004, Algorithm 2).
+* :class:`ConvSimilarity` — beta * sum over conv layers of L_CS (convolutional-similarity paper, Algorithm 2);
+  :func:`model_similarity` and :func:`iterative_initialization` (its Algorithm 1) walk the same layers.
 * :class:`MHE` — minimum hyperspherical energy on hidden and output layers (thesis eq. 5.4).
 """
 
@@ -11,16 +28,75 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from ._checks import real_number
-from .convsim import model_similarity
+from ._checks import integer, one_of, real_number
+from .convsim import conv_similarity
 from .energy import METRICS, hyperspherical_energy
-from .models import conv_weights
 
-__all__ = ["orthonormality_penalty", "Orthonormality", "ConvSimilarity", "MHE"]
+__all__ = [
+    "LAYER_KINDS", "output_layer", "select_layers", "Regularizer", "orthonormality_penalty", "Orthonormality",
+    "ConvSimilarity", "model_similarity", "iterative_initialization", "MHE",
+]
+
+LAYER_KINDS = ("conv", "linear")
+_CONV = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 
 
-def _check_weight_factor(name: str, value: float) -> float:
-    return real_number(name, value, at_least=0.0)
+def output_layer(model: nn.Module) -> nn.Module | None:
+    """The classifier layer: ``model.head`` when it has a weight, else the last ``nn.Linear`` (or None)."""
+    head = getattr(model, "head", None)
+    if head is not None and isinstance(getattr(head, "weight", None), Tensor):
+        return head
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    return linears[-1] if linears else None
+
+
+def select_layers(model: nn.Module, kinds: tuple[str, ...] = LAYER_KINDS,
+                  include_output: bool = True) -> list[nn.Module]:
+    """The layers of ``model`` a regulariser acts on, in module order (see the module docstring).
+
+    Args:
+        model (nn.Module): the network.
+        kinds (tuple[str]): any of ``"conv"`` and ``"linear"``. Default: both.
+        include_output (bool): keep the output layer (:func:`output_layer`) when its kind is selected.
+            Default: True.
+
+    Returns:
+        list of modules, each with a ``weight`` Tensor[S, ...] (one neuron per row).
+    """
+    kinds = tuple(one_of("kind", kind, LAYER_KINDS) for kind in kinds)
+    output = output_layer(model)
+    chosen = []
+    for module in model.modules():
+        is_conv = isinstance(module, _CONV)
+        is_linear = isinstance(module, nn.Linear) or (module is output and not is_conv)
+        if (is_conv and "conv" in kinds) or (is_linear and "linear" in kinds):
+            if include_output or module is not output:
+                chosen.append(module)
+    return chosen
+
+
+class Regularizer:
+    """Base class: ``__init__(model, ...)`` selects ``self.layers`` once; ``__call__()`` returns the penalty.
+
+    Subclasses implement :meth:`penalty` (the unweighted sum) and set ``self.beta`` (its weight).
+    """
+
+    beta: float = 1.0
+    layers: list[nn.Module]
+
+    def _bind(self, model: nn.Module, kinds: tuple[str, ...], include_output: bool) -> None:
+        self.layers = select_layers(model, kinds, include_output)
+        if not self.layers:
+            raise ValueError(f"the model has no layer of kind {kinds} for {type(self).__name__}")
+
+    def penalty(self) -> Tensor:
+        raise NotImplementedError
+
+    def __call__(self) -> Tensor:
+        return self.beta * self.penalty()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(beta={self.beta:g}, layers={len(self.layers)})"
 
 
 def orthonormality_penalty(weight: Tensor) -> Tensor:
@@ -32,67 +108,105 @@ def orthonormality_penalty(weight: Tensor) -> Tensor:
     if weight.dim() < 2:
         raise ValueError(f"weight must have an output axis and at least one input axis, got {tuple(weight.shape)}")
     rows = weight.flatten(1)  # (S, C*k*k)
-    gram = rows @ rows.T
+    gram = rows @ rows.T  # (S, S)
     return (gram - torch.eye(len(rows), dtype=gram.dtype, device=gram.device)).pow(2).sum()
 
 
-class Orthonormality:
-    """beta * sum over conv (and optionally linear) layers of :func:`orthonormality_penalty`."""
-
-    def __init__(self, beta: float = 1e-3, include_linear: bool = False):
-        self.beta = _check_weight_factor("beta", beta)
-        self.include_linear = include_linear
-
-    def __call__(self, model: nn.Module) -> Tensor:
-        weights = conv_weights(model)
-        if self.include_linear:
-            weights += [m.weight for m in model.modules() if isinstance(m, nn.Linear)]
-        if not weights:
-            raise ValueError("the model has no layer this regulariser applies to")
-        return self.beta * sum(orthonormality_penalty(w) for w in weights)
-
-
-class ConvSimilarity:
-    """beta * sum over every conv layer of :func:`~sphereml.convsim.conv_similarity` (seed 004, Algorithm 2).
+class Orthonormality(Regularizer):
+    """beta * sum over layers of :func:`orthonormality_penalty`.
 
     Args:
+        model (nn.Module): the network; its layers are selected once, here.
+        beta (float): weight of the penalty. Default: 1e-3.
+        include_linear (bool): add every linear layer, the output layer included, to the conv
+            layers. Default: False.
+    """
+
+    def __init__(self, model: nn.Module, beta: float = 1e-3, include_linear: bool = False):
+        self.beta = real_number("beta", beta, at_least=0.0)
+        self._bind(model, ("conv", "linear") if include_linear else ("conv",), include_output=True)
+
+    def penalty(self) -> Tensor:
+        return sum(orthonormality_penalty(m.weight) for m in self.layers)
+
+
+def _layers_similarity(layers: list[nn.Module], mode: str | int, method: str, normalized: bool) -> Tensor:
+    return sum(conv_similarity(m.weight, mode, method, normalized) for m in layers)
+
+
+class ConvSimilarity(Regularizer):
+    """beta * sum over every conv layer of :func:`~sphereml.convsim.conv_similarity` (Algorithm 2 of the paper).
+
+    Args:
+        model (nn.Module): the network; its conv layers are selected once, here.
         beta (float): weight of the penalty (the paper uses 1e-3). Default: 1e-3.
         mode, method, normalized: passed to :func:`~sphereml.convsim.conv_similarity`.
     """
 
-    def __init__(self, beta: float = 1e-3, mode: str | int = "full", method: str = "auto", normalized: bool = False):
-        self.beta = _check_weight_factor("beta", beta)
+    def __init__(self, model: nn.Module, beta: float = 1e-3, mode: str | int = "full", method: str = "auto",
+                 normalized: bool = False):
+        self.beta = real_number("beta", beta, at_least=0.0)
         self.mode, self.method, self.normalized = mode, method, normalized
+        self._bind(model, ("conv",), include_output=True)
 
-    def loss(self, model: nn.Module) -> Tensor:
-        """The unweighted sum of L_CS over the conv layers of ``model``."""
-        return model_similarity(model, self.mode, self.method, self.normalized)
-
-    def __call__(self, model: nn.Module) -> Tensor:
-        return self.beta * self.loss(model)
+    def penalty(self) -> Tensor:
+        """The unweighted sum of L_CS over the conv layers."""
+        return _layers_similarity(self.layers, self.mode, self.method, self.normalized)
 
 
-def _output_module(model: nn.Module) -> nn.Module | None:
-    head = getattr(model, "head", None)
-    if head is not None and isinstance(getattr(head, "weight", None), Tensor):
-        return head
-    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
-    return linears[-1] if linears else None
+def model_similarity(model: nn.Module, mode: str | int = "full", method: str = "auto",
+                     normalized: bool = False) -> Tensor:
+    """The sum of :func:`~sphereml.convsim.conv_similarity` over every conv layer of ``model`` (the paper's sum)."""
+    return ConvSimilarity(model, 1.0, mode, method, normalized).penalty()
 
 
-class MHE:
+def iterative_initialization(model: nn.Module, steps: int, lr: float = 1e-3, betas=(0.9, 0.999),
+                             mode: str | int = "full", normalized: bool = False) -> dict[str, list[float]]:
+    """Minimise the summed L_CS of every conv layer with Adam before training (the paper's Algorithm 1).
+
+    Only conv weights change.  Returns the history of the loss and of the total squared kernel
+    norm sum_layers ||W||^2, which the paper does not track: L_CS is homogeneous of degree 4,
+    so gradient descent on it also shrinks the kernels (see the chapter).
+
+    Args:
+        model (nn.Module): trained in place.
+        steps (int): number of Adam steps I >= 0 (the paper uses 500 for its CNNs, 200 for ResNet-18).
+        lr (float), betas: Adam settings (paper: 1e-3 and (0.5, 0.999) for ResNet-18).
+    """
+    integer("steps", steps, at_least=0)
+    reg = ConvSimilarity(model, 1.0, mode, "auto", normalized)
+    weights = [m.weight for m in reg.layers]
+    opt = torch.optim.Adam(weights, lr=lr, betas=betas)
+    history: dict[str, list[float]] = {"loss": [], "squared_norm": []}
+
+    def tracked_loss() -> Tensor:
+        loss = reg.penalty()
+        history["loss"].append(float(loss.detach()))
+        history["squared_norm"].append(float(sum(w.detach().pow(2).sum() for w in weights)))
+        return loss
+
+    for _ in range(steps):
+        opt.zero_grad(set_to_none=True)
+        tracked_loss().backward()
+        opt.step()
+    with torch.no_grad():
+        tracked_loss()  # the state after the last step
+    return history
+
+
+class MHE(Regularizer):
     """Minimum hyperspherical energy regulariser (thesis eq. 5.4):
 
         lambda_hidden * sum_hidden E_s(layer) + lambda_output * E_s(classifier),
 
     each E_s the pair mean of :func:`~sphereml.energy.hyperspherical_energy` over the layer's
     neurons (a conv kernel flattened over C x k x k is one neuron).  Hidden layers are every
-    conv and linear layer except the output layer, which is ``model.head`` when it has a
-    ``weight`` (a :class:`~sphereml.models.Classifier`), else the last ``nn.Linear``.  The output
-    layer always uses the full-space energy (§5.3.4); ``half_space`` applies to hidden layers.
+    conv and linear layer but the output layer (:func:`select_layers`); the output layer always
+    uses the full-space energy (§5.3.4), ``half_space`` applies to hidden layers.  Layers with
+    fewer than 2 neurons are skipped.
 
     Args:
-        model (nn.Module): the network; its layers are found once, here.
+        model (nn.Module): the network; its layers are selected once, here.
         s, metric, backend: passed to :func:`~sphereml.energy.hyperspherical_energy`.
         half_space (bool): half-space MHE in hidden layers. Default: False.
         lambda_hidden, lambda_output (float): weights (the thesis's defaults: 10 for full-space and
@@ -101,35 +215,45 @@ class MHE:
 
     def __init__(self, model: nn.Module, s: float = 2.0, half_space: bool = False, metric: str = "euclidean",
                  lambda_hidden: float = 1.0, lambda_output: float = 1.0, backend: str = "auto"):
-        self.lambda_hidden = _check_weight_factor("lambda_hidden", lambda_hidden)
-        self.lambda_output = _check_weight_factor("lambda_output", lambda_output)
-        if metric not in METRICS:
-            raise ValueError(f"metric must be one of {METRICS}, got {metric!r}")
+        self.lambda_hidden = real_number("lambda_hidden", lambda_hidden, at_least=0.0)
+        self.lambda_output = real_number("lambda_output", lambda_output, at_least=0.0)
+        self.metric = one_of("metric", metric, METRICS)
         self.s = real_number("s", s, at_least=0.0)
-        self.half_space, self.metric, self.backend = half_space, metric, backend
-        output = _output_module(model)
-        self.hidden = [m for m in model.modules()
-                       if isinstance(m, (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Linear)) and m is not output
-                       and m.weight.shape[0] >= 2]
+        self.half_space, self.backend = bool(half_space), backend
+        output = output_layer(model)
+        self.hidden = [m for m in select_layers(model, LAYER_KINDS, include_output=False) if m.weight.shape[0] >= 2]
         use_output = output is not None and self.lambda_output > 0 and output.weight.shape[0] >= 2
         self.output = output if use_output else None
-        if not self.hidden and self.output is None:
+        self.layers = self.hidden + ([self.output] if self.output is not None else [])
+        if not self.layers:
             raise ValueError("the model has no layer with at least 2 neurons to regularise")
 
     def _energy(self, layer: nn.Module, half_space: bool) -> Tensor:
         return hyperspherical_energy(layer.weight, self.s, self.metric, half_space, backend=self.backend)
 
     def energies(self) -> dict[str, Tensor]:
-        """The hidden-layer energies (list order = module order) and the output energy."""
+        """The hidden-layer energies (a list in module order) and the output energy."""
         out = {"hidden": [self._energy(m, self.half_space) for m in self.hidden]}
         if self.output is not None:
             out["output"] = self._energy(self.output, False)  # classifier neurons: full space (§5.3.4)
         return out
 
-    def __call__(self, model: nn.Module | None = None) -> Tensor:
-        total = torch.zeros(())
-        if self.lambda_hidden > 0:
+    def mean_hidden_energy(self) -> float:
+        """The mean of the hidden-layer energies, as a number (no graph): a yardstick during training."""
+        with torch.no_grad():
+            hidden = [float(self._energy(m, self.half_space)) for m in self.hidden]
+        return sum(hidden) / max(len(hidden), 1)
+
+    def penalty(self) -> Tensor:
+        weight = self.layers[0].weight
+        total = weight.new_zeros(())
+        if self.lambda_hidden > 0 and self.hidden:
             total = total + self.lambda_hidden * sum(self._energy(m, self.half_space) for m in self.hidden)
         if self.output is not None:
             total = total + self.lambda_output * self._energy(self.output, False)
         return total
+
+    def __repr__(self) -> str:
+        return (f"MHE(s={self.s:g}, metric={self.metric!r}, half_space={self.half_space}, "
+                f"lambda_hidden={self.lambda_hidden:g}, lambda_output={self.lambda_output:g}, "
+                f"hidden_layers={len(self.hidden)}, output={self.output is not None})")

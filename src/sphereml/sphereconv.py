@@ -6,20 +6,10 @@ SphereConv (eq. 3.1) keeps only the angle:
     F_s(w, x) = g(theta_(w, x)),   theta in [0, pi],
 
 where x is the *whole* receptive field (C_in / groups x k_h x k_w values at one output
-position, zero padding included) and g is a decreasing "angular activation":
-
-===========  ======================================================  =========
-``angular``  g(theta)                                                thesis
-===========  ======================================================  =========
-linear       1 - 2 theta / pi                                         eq. 3.2
-cosine       cos(theta)                                               eq. 3.3
-sigmoid      tanh((pi/2 - theta) / (2k)) / tanh(pi / (4k)),  k > 0    eq. 3.4
-===========  ======================================================  =========
-
-All three map [0, pi] onto [1, -1] with g(pi/2) = 0 and g(pi - theta) = -g(theta).  The
-sigmoid row is eq. 3.4 rewritten: the printed ratio of exponentials equals this tanh ratio
-exactly, and the tanh form cannot overflow (the printed form needs exp(pi / 2k), which is
-inf in float32 for k < 0.018).
+position, zero padding included) and g is one of the decreasing angular activations of
+:mod:`sphereml.angular` (linear, cosine, sigmoid; eqs. 3.2-3.4).
+The readable definition, patch by patch with ``unfold``, is :func:`sphere_conv2d_reference`; the
+layers compute the same values with one ordinary convolution (Note [patch norm by convolution]).
 
 Note [patch norm by convolution]
     ||x|| for every output position is a convolution of x^2 with a kernel of ones over
@@ -38,14 +28,14 @@ Note [zero patch]
     Above eps the layer is exactly invariant to rescaling the patch.  This sensitivity
     of SphereConv to tiny patches is the one the decoupled-networks chapter criticises.
 
-Note [angle for linear and sigmoid]
-    Linear and sigmoid g need theta = arccos(c), whose derivative -1 / sqrt(1 - c^2) is
-    infinite at c = +-1 (a patch parallel to its kernel).  :class:`_Arccos` keeps the exact
-    value arccos(c) but floors 1 - c^2 at 1e-10 in the backward pass, so d theta / d c is
-    at most 1e5 in magnitude (and it is multiplied by dc/dx, which vanishes there).  Clamping c away
-    from +-1 instead (as :func:`~sphereml.geometry.safe_angle` does) would shift the output
-    by up to sqrt(2 eps) radians at the poles.  Cosine g is computed from c directly and
-    never touches arccos.
+Note [SphereConv on a GPU]
+    Eager, the layer is one cuDNN convolution plus about ten small elementwise and reduction
+    kernels, which a GPU runs at 1.6-2.3x the time of ``nn.Conv2d`` (forward + backward, H200,
+    B = 128, 128 channels, 32x32, float32; benchmarks/results/sphereconv_fwd_bwd_b128_c128_s32-cuda.json).
+    ``torch.compile`` fuses those passes around the convolution: 1.17x (cosine), 1.18x (linear,
+    sigmoid) and 1.35x (learned k) there, so on a GPU compile the network (``torch.compile(model)``);
+    the layers compile without graph breaks (tested with ``fullgraph=True``).  Under bf16 autocast
+    the compiled cosine layer is still 1.77x.
 """
 
 from __future__ import annotations
@@ -57,159 +47,14 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
-from ._checks import real_number
+from ._checks import integer, real_number
+from .angular import angular_activation, check_angular
 from .geometry import normalize
 
 __all__ = [
-    "ANGULAR", "stable_arccos", "angular_function", "angular_activation", "sphere_cosine2d", "sphere_conv2d",
-    "sphere_linear", "SphereConv2d", "SphereLinear", "SphereNorm",
+    "sphere_cosine2d", "sphere_conv2d", "sphere_conv2d_reference", "sphere_linear", "SphereConv2d", "SphereLinear",
+    "SphereNorm", "K_FLOOR",
 ]
-
-ANGULAR = ("linear", "cosine", "sigmoid")
-
-
-def _check_angular(angular: str) -> str:
-    if angular not in ANGULAR:
-        raise ValueError(f"angular must be one of {ANGULAR}, got {angular!r}")
-    return angular
-
-
-def _check_k(k) -> float | Tensor:
-    """A positive number; a tensor (a learned per-filter k) is passed through unchecked, as a
-    check would synchronise the device on every forward; :class:`_Positive` keeps it > 0."""
-    if isinstance(k, Tensor):
-        return k
-    return real_number("k", k, above=0.0)
-
-
-def angular_function(theta: Tensor, angular: str = "cosine", k: float | Tensor = 0.5) -> Tensor:
-    """g(theta) of eqs. 3.2-3.4 evaluated at angles ``theta`` (any real values, for g(m theta) too).
-
-    Args:
-        theta (Tensor): angles; [0, pi] for the SphereConv output range [-1, 1].
-        angular (str): ``"linear"``, ``"cosine"`` or ``"sigmoid"``.
-        k (float or Tensor): sigmoid curvature > 0 (broadcast against ``theta``).
-
-    Returns:
-        Tensor shaped like ``theta`` (broadcast with ``k``).
-    """
-    angular = _check_angular(angular)
-    if angular == "linear":
-        return 1.0 - theta * (2.0 / math.pi)
-    if angular == "cosine":
-        return torch.cos(theta)
-    k = _check_k(k)
-    scale = math.tanh(math.pi / (4.0 * k)) if not isinstance(k, Tensor) else torch.tanh(math.pi / (4.0 * k))
-    return torch.tanh((math.pi / 2.0 - theta) / (2.0 * k)) / scale
-
-
-_POLE_FLOOR = 1e-10  # floor on 1 - c^2 in d arccos / dc, Note [angle for linear and sigmoid]
-
-
-def _inverse_sine(cos: Tensor) -> Tensor:
-    """1 / sin(theta) = 1 / sqrt(1 - c^2), with 1 - c^2 floored (Note [angle for linear and sigmoid])."""
-    return (cos * cos).neg_().add_(1.0).clamp_min_(_POLE_FLOOR).rsqrt_()
-
-
-class _Arccos(torch.autograd.Function):
-    """arccos(c) on [-1, 1] with the derivative floored at the poles: Note [angle for linear and sigmoid]."""
-
-    @staticmethod
-    def forward(ctx, cos: Tensor) -> Tensor:
-        cos = cos.clamp(-1.0, 1.0)
-        ctx.save_for_backward(cos)
-        return torch.arccos(cos)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor) -> Tensor:
-        (cos,) = ctx.saved_tensors
-        return _inverse_sine(cos).mul_(grad).neg_()
-
-
-def stable_arccos(cos: Tensor) -> Tensor:
-    """theta = arccos(c), exact on [-1, 1] (c clamped), with a finite gradient at c = +-1.
-
-    See Note [angle for linear and sigmoid].
-    """
-    return _Arccos.apply(cos)
-
-
-class _LinearFromCos(torch.autograd.Function):
-    """Linear g(arccos(c)) = 1 - 2 arccos(c) / pi in one autograd node: dg/dc = (2 / pi) / sin(theta).
-
-    One node instead of a chain of autograd nodes: from about 1.6x to 1.35-1.45x of
-    ``nn.Conv2d`` forward + backward at 64 channels, 32x32, batch 32 on our 2-core CPU
-    (``benchmarks/bench_sphereconv.py``).
-    """
-
-    @staticmethod
-    def forward(ctx, cos: Tensor) -> Tensor:
-        cos = cos.clamp(-1.0, 1.0)
-        ctx.save_for_backward(cos)
-        return torch.arccos(cos).mul_(-2.0 / math.pi).add_(1.0)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor) -> Tensor:
-        (cos,) = ctx.saved_tensors
-        return _inverse_sine(cos).mul_(grad).mul_(2.0 / math.pi)
-
-
-class _SigmoidFromCos(torch.autograd.Function):
-    """Sigmoid g(arccos(c)) = tanh(u) / T in one autograd node, u = (pi/2 - theta) / 2k, T = tanh(pi / 4k).
-
-    k is a tensor broadcast against c (a number k arrives as a 0-d tensor).  With sech^2 = 1 - tanh^2
-    from the saved tanh(u),
-
-        dg/dc = sech^2(u) / (2k T sin(theta)),
-        dg/dk = -sech^2(u) u / (k T) + tanh(u) (1 - T^2) pi / (4 k^2 T^2)   (summed over the broadcast axes).
-
-    u is saved only when k needs a gradient.  Against autograd through :func:`angular_function`:
-    1.6x -> 1.35-1.55x of ``nn.Conv2d`` for a fixed k, 1.8-2.0x -> about 1.6x for a learned one
-    (``benchmarks/bench_sphereconv.py``).  The output itself is not saved: a following in-place
-    ReLU may modify it.
-    """
-
-    @staticmethod
-    def forward(ctx, cos: Tensor, k: Tensor) -> Tensor:
-        cos = cos.clamp(-1.0, 1.0)
-        u = torch.arccos(cos).sub_(math.pi / 2.0).neg_().div_(2.0 * k)  # (pi/2 - theta) / 2k
-        keep_u = ctx.needs_input_grad[1]
-        th = torch.tanh(u) if keep_u else u.tanh_()
-        t = torch.tanh(math.pi / (4.0 * k))
-        ctx.save_for_backward(cos, th, u if keep_u else None, k, t)
-        return th / t
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        cos, th, u, k, t = ctx.saved_tensors
-        sech2 = th.square().neg_().add_(1.0)
-        grad_cos = grad_k = None
-        if ctx.needs_input_grad[0]:
-            grad_cos = _inverse_sine(cos).mul_(sech2).mul_(grad).div_(2.0 * k * t)
-        if ctx.needs_input_grad[1]:
-            dg_dk = sech2.mul_(u).div_(-k * t).add_(th * ((1.0 - t * t) * math.pi / (4.0 * k * k * t * t)))
-            grad_k = dg_dk.mul_(grad).sum_to_size(k.shape)
-        return grad_cos, grad_k
-
-
-def angular_activation(cos: Tensor, angular: str = "cosine", k: float | Tensor = 0.5) -> Tensor:
-    """g(theta) from c = cos(theta); see Note [angle for linear and sigmoid].
-
-    Args:
-        cos (Tensor): cosines in [-1, 1].
-        angular (str), k (float or Tensor): as in :func:`angular_function`; linear and sigmoid
-            are one fused autograd node each (a tensor k, e.g. a learned one, gets its gradient too).
-
-    Returns:
-        Tensor shaped like ``cos`` with values in [-1, 1].
-    """
-    angular = _check_angular(angular)
-    if angular == "cosine":
-        return cos
-    if angular == "linear":
-        return _LinearFromCos.apply(cos)
-    k = _check_k(k)
-    return _SigmoidFromCos.apply(cos, k if isinstance(k, Tensor) else cos.new_tensor(k))
 
 
 def _pair(value, name: str, minimum: int) -> tuple[int, int]:
@@ -340,6 +185,53 @@ def sphere_conv2d(x: Tensor, weight: Tensor, bias: Tensor | None = None, stride=
     return _add_bias(angular_activation(cos, angular, k), bias, 2)
 
 
+def _printed_angular(cos: Tensor, angular: str, k: float) -> Tensor:
+    """g(theta) from cos(theta) exactly as printed (eqs. 3.2-3.4; sigmoid as its ratio of exponentials)."""
+    if angular == "cosine":
+        return cos
+    theta = torch.arccos(cos.clamp(-1.0, 1.0))
+    if angular == "linear":
+        return 1.0 - 2.0 * theta / math.pi
+    a = math.exp(-math.pi / (2.0 * k))
+    e = torch.exp(theta / k - math.pi / (2.0 * k))
+    return (1.0 + a) / (1.0 - a) * (1.0 - e) / (1.0 + e)
+
+
+def sphere_conv2d_reference(x: Tensor, weight: Tensor, stride=1, padding=0, dilation=1, groups: int = 1,
+                            angular: str = "cosine", k: float = 0.5) -> Tensor:
+    """SphereConv by its definition (eq. 3.1), patch by patch: the readable reference of :func:`sphere_conv2d`.
+
+    Every receptive field is unfolded into a column (as public ports do), its cosine to each flattened
+    kernel is taken, and g is evaluated as printed (the sigmoid as the ratio of exponentials of
+    eq. 3.4, which overflows for k below about 0.02 in float32).  It materialises a
+    Tensor[B, C_in / groups * k_h * k_w, L] per group, so it is slow and memory-hungry: for tests,
+    chapters and benchmarks, not for training.  No eps: a zero patch gives NaN here.
+
+    Args:
+        x (Tensor[B, C_in, H, W]), weight (Tensor[C_out, C_in / groups, k_h, k_w]): input and kernels.
+        stride, padding, dilation, groups: as in :func:`torch.nn.functional.conv2d` (integer padding).
+        angular (str), k (float): g and the sigmoid curvature.
+
+    Returns:
+        Tensor[B, C_out, H', W'].
+    """
+    angular = check_angular(angular)
+    b, c_out = x.shape[0], weight.shape[0]
+    kernel = tuple(weight.shape[2:])
+    outs = []
+    for g in range(groups):
+        xs = x[:, g * x.shape[1] // groups:(g + 1) * x.shape[1] // groups]
+        ws = weight[g * c_out // groups:(g + 1) * c_out // groups].flatten(1)  # (C_out/G, D)
+        patches = F.unfold(xs, kernel, dilation=dilation, padding=padding, stride=stride)  # (B, D, L)
+        cos = torch.einsum("od,bdl->bol", ws, patches)
+        cos = cos / (ws.norm(dim=1)[None, :, None] * patches.norm(dim=1)[:, None, :])
+        outs.append(_printed_angular(cos, angular, k))  # (B, C_out/G, L)
+    stride, padding, dilation = _pair(stride, "stride", 1), _pair(padding, "padding", 0), _pair(dilation, "dilation", 1)
+    shape = [(size + 2 * p - d * (kk - 1) - 1) // s + 1
+             for size, p, d, kk, s in zip(x.shape[2:], padding, dilation, kernel, stride)]  # (H', W')
+    return torch.cat(outs, 1).view(b, c_out, *shape)
+
+
 def sphere_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, angular: str = "cosine",
                   k: float | Tensor = 0.5, eps: float = 1e-6) -> Tensor:
     """SphereConv on a fully connected layer (thesis §3.2.4): g(theta) between x and each row of ``weight``.
@@ -376,7 +268,7 @@ class _SphereMixin:
 
     def _init_angular(self, out_features: int, angular: str, k: float, learnable_k: bool, eps: float,
                       factory: dict) -> None:
-        self.angular = _check_angular(angular)
+        self.angular = check_angular(angular)
         self.eps = real_number("eps", eps, above=0.0)
         k = real_number("k", k, above=K_FLOOR if learnable_k else 0.0)
         self.learnable_k = bool(learnable_k)
@@ -420,8 +312,7 @@ class SphereConv2d(_SphereMixin, nn.Conv2d):
                  groups: int = 1, bias: bool = False, padding_mode: str = "zeros", angular: str = "cosine",
                  k: float = 0.5, learnable_k: bool = False, eps: float = 1e-6, device=None, dtype=None):
         for name, value in {"in_channels": in_channels, "out_channels": out_channels, "groups": groups}.items():
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+            integer(name, value, at_least=1)
         if in_channels % groups or out_channels % groups:
             raise ValueError(f"in_channels ({in_channels}) and out_channels ({out_channels}) must be divisible "
                              f"by groups ({groups})")
@@ -461,8 +352,7 @@ class SphereLinear(_SphereMixin, nn.Linear):
     def __init__(self, in_features: int, out_features: int, bias: bool = False, angular: str = "cosine",
                  k: float = 0.5, learnable_k: bool = False, eps: float = 1e-6, device=None, dtype=None):
         for name, value in {"in_features": in_features, "out_features": out_features}.items():
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+            integer(name, value, at_least=1)
         factory = {"device": device, "dtype": dtype}
         super().__init__(in_features, out_features, bias, **factory)
         self._init_angular(out_features, angular, k, learnable_k, eps, factory)

@@ -9,17 +9,20 @@ Design (nanoGPT's ``train.py`` in spirit, short and explicit):
   epoch and RNG state are written atomically after every epoch; starting the same
   run again continues from the last finished epoch and ends where an uninterrupted
   run would have ended.
-* **Hookable.** ``regularizer(model) -> Tensor`` is added to every step's loss (MHE,
-  orthogonality, ...), and ``callbacks`` run after every optimiser step (margin
-  schedules, logging).
+* **One loss path.** The default loss is the model's own ``loss_and_logits(x, y)`` when it has
+  one (a :class:`~sphereml.models.Classifier`: cross-entropy, or its margin head's loss), else
+  cross-entropy of ``model(x)``; ``evaluate`` reports the same loss.
+* **Hookable.** ``regularizer()`` (a :class:`~sphereml.regularizers.Regularizer` bound to the
+  model) is added to every step's loss, and ``callbacks`` run after every optimiser step
+  (:class:`Tracker` records a value every few steps).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,9 +34,12 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
+from . import _io
+from ._checks import integer, real_number
+
 __all__ = [
     "seed_everything", "resolve_device", "fit", "evaluate", "collect_outputs",
-    "History", "StepState", "default_loss",
+    "History", "StepState", "Tracker", "default_loss", "num_steps",
 ]
 
 DEVICES = ("auto", "cpu", "cuda")
@@ -41,8 +47,7 @@ DEVICES = ("auto", "cpu", "cuda")
 
 def seed_everything(seed: int) -> None:
     """Seed Python's, NumPy's and torch's (CPU and CUDA) generators."""
-    if not isinstance(seed, int) or seed < 0:
-        raise ValueError(f"seed must be an integer >= 0, got {seed!r}")
+    integer("seed", seed, at_least=0)
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
@@ -81,20 +86,63 @@ class History:
 
 @dataclass
 class StepState:
-    """What a per-step callback sees after each optimiser step."""
+    """What a per-step callback sees after each optimiser step.
+
+    ``loss`` (a float) reads the step's loss from the device only when a callback asks for it, so
+    training on a GPU does not wait for every step's result.
+    """
 
     step: int
     epoch: int
-    loss: float
+    loss_tensor: Tensor
     model: nn.Module
     optimizer: torch.optim.Optimizer
+
+    @property
+    def loss(self) -> float:
+        return float(self.loss_tensor)
+
+
+class Tracker:
+    """A callback that records ``(step, fn(state))`` every ``every`` steps (and at step 1 unless told not to).
+
+    ``tracker = Tracker(lambda state: state.loss, every=10)``; after ``fit(..., callbacks=[tracker])``
+    ``tracker.steps`` and ``tracker.values`` hold the curve.
+    """
+
+    def __init__(self, fn: Callable[[StepState], float], every: int, include_first: bool = True):
+        self.fn, self.every = fn, integer("every", every, at_least=1)
+        self.include_first = bool(include_first)
+        self.points: list[tuple[int, float]] = []
+
+    def __call__(self, state: StepState) -> None:
+        if (self.include_first and state.step == 1) or state.step % self.every == 0:
+            self.points.append((state.step, self.fn(state)))
+
+    @property
+    def steps(self) -> list[int]:
+        return [p[0] for p in self.points]
+
+    @property
+    def values(self) -> list[float]:
+        return [p[1] for p in self.points]
+
+
+def num_steps(data, epochs: int, batch_size: int = 128) -> int:
+    """Optimiser steps of ``fit`` over ``data`` (a dataset or its size) for ``epochs`` epochs."""
+    n = data if isinstance(data, int) and not isinstance(data, bool) else len(data)
+    return integer("epochs", epochs, at_least=0) * math.ceil(n / integer("batch_size", batch_size, at_least=1))
 
 
 LossFn = Callable[[nn.Module, Tensor, Tensor], "tuple[Tensor, Tensor | None]"]
 
 
 def default_loss(model: nn.Module, x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
-    """Softmax cross-entropy of ``model(x)``; returns (loss, logits)."""
+    """``model.loss_and_logits(x, y)`` when the model has it (margin heads included), else softmax
+    cross-entropy of ``model(x)``; returns (loss, logits)."""
+    own = getattr(model, "loss_and_logits", None)
+    if own is not None:
+        return own(x, y)
     logits = model(x)
     return F.cross_entropy(logits, y), logits
 
@@ -120,17 +168,6 @@ def _make_optimizer(optimizer, params, lr: float, weight_decay: float, momentum:
     raise ValueError(f"optimizer must be 'sgd', 'adam' or a callable, got {optimizer!r}")
 
 
-def _atomic_save(obj, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        torch.save(obj, tmp)
-        os.replace(tmp, path)
-    finally:
-        Path(tmp).unlink(missing_ok=True)
-
-
 def _fingerprint(model: nn.Module, config: dict) -> str:
     shapes = [(k, tuple(v.shape)) for k, v in model.state_dict().items()]
     return json.dumps({"model": type(model).__name__, "shapes": shapes, **config}, sort_keys=True, default=str)
@@ -152,7 +189,7 @@ def fit(
     momentum: float = 0.9,
     scheduler: Callable | None = None,
     loss_fn: LossFn | None = None,
-    regularizer: Callable[[nn.Module], Tensor] | None = None,
+    regularizer: Callable[[], Tensor] | None = None,
     callbacks: Iterable[Callable[[StepState], None]] = (),
     val_data: Dataset | None = None,
     device: str | torch.device = "auto",
@@ -169,8 +206,9 @@ def fit(
         optimizer: ``"adam"``, ``"sgd"`` (with ``momentum``) or ``callable(params) -> Optimizer``.
         scheduler (callable, optional): ``callable(optimizer) -> LRScheduler``, stepped once per epoch.
         loss_fn (callable, optional): ``loss_fn(model, x, y) -> (loss, logits | None)``;
-            default: softmax cross-entropy of ``model(x)``.
-        regularizer (callable, optional): ``regularizer(model) -> Tensor`` added to each step's loss.
+            default: :func:`default_loss` (the model's own ``loss_and_logits``, margin heads included).
+        regularizer (callable, optional): ``regularizer() -> Tensor`` added to each step's loss: a
+            :class:`~sphereml.regularizers.Regularizer` bound to ``model``.
         callbacks: functions called with a :class:`StepState` after every optimiser step.
         val_data (Dataset, optional): evaluated after each epoch (``val_loss``, ``val_acc``).
         device: ``"auto"``, ``"cpu"`` or ``"cuda"`` (see :func:`resolve_device`).
@@ -181,12 +219,10 @@ def fit(
     Returns:
         History with one dict per epoch: epoch, train_loss, train_acc, reg, val_loss, val_acc, seconds.
     """
-    if not isinstance(epochs, int) or epochs < 0:
-        raise ValueError(f"epochs must be an integer >= 0, got {epochs!r}")
-    if not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
-    if lr <= 0:
-        raise ValueError(f"lr must be > 0, got {lr}")
+    integer("epochs", epochs, at_least=0)
+    integer("batch_size", batch_size, at_least=1)
+    real_number("lr", lr, above=0.0)
+    integer("seed", seed, at_least=0)
     dev = resolve_device(device)
     loss_fn = loss_fn or default_loss
     callbacks = list(callbacks)
@@ -225,31 +261,36 @@ def fit(
         model.train()
         t0 = time.perf_counter()
         order = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
-        total_loss = total_reg = 0.0
-        correct = seen = 0
+        losses, regs, sizes = [], [], []  # per-step tensors, read back once per epoch (one device sync)
+        correct = torch.zeros((), dtype=torch.long, device=dev)
         logits = None
         for batch in _batches(train_data, batch_size, True, order):
             x, y = _to_device(batch, dev)
             loss, logits = loss_fn(model, x, y)
-            reg = regularizer(model) if regularizer is not None else None
+            reg = regularizer() if regularizer is not None else None
             objective = loss if reg is None else loss + reg
             opt.zero_grad(set_to_none=True)
             objective.backward()
             opt.step()
             step += 1
-            loss_value = float(loss.detach())
-            history.steps.append(loss_value)
-            total_loss += loss_value * len(y)
-            total_reg += float(reg.detach()) * len(y) if reg is not None else 0.0
+            losses.append(loss.detach().double())
+            if reg is not None:
+                regs.append(reg.detach().double())
+            sizes.append(len(y))
             if logits is not None:
-                correct += int((logits.argmax(1) == y).sum())
-            seen += len(y)
+                correct += (logits.argmax(1) == y).sum()
             for cb in callbacks:
-                cb(StepState(step=step, epoch=epoch, loss=loss_value, model=model, optimizer=opt))
+                cb(StepState(step=step, epoch=epoch, loss_tensor=losses[-1], model=model, optimizer=opt))
         if sched is not None:
             sched.step()
+        loss_values = torch.stack(losses).tolist() if losses else []
+        reg_values = torch.stack(regs).tolist() if regs else []
+        history.steps.extend(loss_values)
+        seen = sum(sizes)
+        total_loss = sum(v * n for v, n in zip(loss_values, sizes))
+        total_reg = sum(v * n for v, n in zip(reg_values, sizes))
         record = {"epoch": epoch + 1, "train_loss": total_loss / max(seen, 1),
-                  "train_acc": correct / max(seen, 1) if logits is not None else None,
+                  "train_acc": int(correct) / max(seen, 1) if logits is not None else None,
                   "reg": total_reg / max(seen, 1)}
         if val_data is not None:
             val = evaluate(model, val_data, batch_size=max(batch_size, 512), device=dev, loss_fn=loss_fn)
@@ -258,7 +299,7 @@ def fit(
         history.epochs.append(record)
         bar.set_postfix(loss=f"{record['train_loss']:.3f}")
         if ckpt_path is not None:
-            _atomic_save({
+            _io.save_torch({
                 "model": model.state_dict(), "optimizer": opt.state_dict(),
                 "scheduler": sched.state_dict() if sched is not None else None,
                 "history": history.to_dict(), "epoch": epoch + 1, "torch_rng": torch.get_rng_state(),
@@ -285,7 +326,11 @@ def collect_outputs(fn: Callable[[Tensor], Tensor], data: Dataset, batch_size: i
 @torch.no_grad()
 def evaluate(model: nn.Module, data: Dataset, *, batch_size: int = 512, device: str | torch.device = "auto",
              loss_fn: LossFn | None = None) -> dict:
-    """Mean loss and accuracy of ``model`` on ``data`` (eval mode; the previous mode is restored)."""
+    """Mean loss and accuracy of ``model`` on ``data`` (eval mode; the previous mode is restored).
+
+    The loss is ``loss_fn``'s (default :func:`default_loss`: a margin head reports its own margin loss);
+    the accuracy is the arg-max of the logits it returns.
+    """
     dev = resolve_device(device)
     loss_fn = loss_fn or default_loss
     was_training = model.training

@@ -10,48 +10,92 @@ on S^2, E_Thomson = N (N - 1) E / 2.
 
 Backends (same values and gradients): ``dense`` (:mod:`~sphereml.energy.dense`, the reference),
 ``tiled`` (:mod:`~sphereml.energy.tiled`, O(N * block) memory, CPU or GPU) and ``triton``
-(:mod:`~sphereml.energy.triton_backend`, fused kernels, Euclidean metric).  ``auto`` picks
-triton on CUDA when it is importable, otherwise tiled above ``TILED_ABOVE`` points, else dense.
+(:mod:`~sphereml.energy.triton_backend`, fused kernels, Euclidean metric, float32 arithmetic).
+``auto`` decides from the tensor: float32 or half CUDA tensors go to triton when the matmul
+precision allows TF32 ("high" or "medium") and there are more than ``TRITON_ABOVE`` points (the
+kernel's exact-float32 path is slower than dense; see :mod:`~sphereml.energy.triton_backend`);
+everything else, float64 included, goes to tiled above ``TILED_ABOVE`` points
+(``TILED_ABOVE_CUDA`` on CUDA), else dense.  ``auto`` never computes float64 input in float32,
+and an explicit ``backend="triton"`` with float64 input raises.  Without triton, ``auto`` on
+CUDA warns once and uses dense / tiled.
+
+Precision: every backend computes close pairs of neurons exactly (Note [close pairs] in
+:mod:`~sphereml.energy.kernels`).  Other pairs come from Gram matrix products at the precision
+of ``torch.get_float32_matmul_precision()`` for float32 input: ``"highest"`` (the default)
+is exact float32, ``"high"`` and ``"medium"`` allow TF32 (cuBLAS in dense / tiled, ``tf32`` in
+the triton kernels).  Value checks that would read a GPU tensor (finite entries, positive
+weights, label range) run on CPU tensors only, so a training step never synchronises the
+device for them.
 """
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torch import Tensor
 
-from .._checks import real_number
+from .._checks import integer, labels as _check_labels, one_of, real_number
 from ..geometry import normalize
 from .dense import dense_energy
-from .kernels import METRICS, pair_values
+from .kernels import METRICS, pair_values, squared_distances
 from .tiled import tiled_energy
-from .triton_backend import triton_energy, triton_importable, usable_on
+from .triton_backend import TRITON_DTYPES, matmul_precision, triton_energy, triton_importable, usable_on
 
 __all__ = ["hyperspherical_energy", "minibatch_energy", "energy_metric", "output_energy", "BACKENDS", "METRICS"]
 
 BACKENDS = ("auto", "dense", "tiled", "triton")
-TILED_ABOVE = 2048
+# Above this many points (2N for half_space) ``auto`` leaves dense for tiled on the CPU.  Set from
+# benchmarks/results/energy_fwd_bwd-cpu.json, "crossover" (d = 256, s = 2, fwd + bwd, one thread): dense
+# is faster up to N = 64 (0.8 vs 0.9 ms), tiled from N = 128 on (1.2 vs 1.3 ms; 4096: 0.44 vs 1.71 s).
+# The former 2048 was never measured; at N = 16384 tiled is 6.7x faster (the "runs" of the same file).
+TILED_ABOVE = 64
+# The same switch for CUDA tensors: benchmarks/results/energy_fwd_bwd-cuda.json, "crossover" (H200, d = 256,
+# float64, fwd + bwd): dense is faster up to N = 1024 (2.2 vs 2.5 ms), tiled from 2048 on (2.4 vs 2.9 ms).
+TILED_ABOVE_CUDA = 1024
+# Float32 / half CUDA tensors at TF32 precision: triton above this many points.  The same file's float32 dense
+# vs triton crossover (d = 256, measured at "highest") has triton faster from N = 4096 on; at N = 32768,
+# d = 512 and TF32, triton takes 0.115 s against dense's 0.59 s (energy_triton_configs-cuda.json).
+TRITON_ABOVE = 2048
+_warned_no_triton = False
 
 
 def _check_s(s: float) -> float:
     return real_number("s", s, at_least=0.0)
 
 
-def _points(w: Tensor, metric: str, half_space: bool, weights: Tensor | None) -> Tensor:
+def _check_w(w: Tensor) -> Tensor:
+    """Neurons ``Tensor[N >= 2, ...]`` of a floating dtype; finite entries checked on the CPU only (no sync)."""
     if not isinstance(w, Tensor) or w.dim() < 2:
         raise ValueError(f"w must be a Tensor[N, ...] with one neuron per row, got {getattr(w, 'shape', w)!r}")
     if len(w) < 2:
         raise ValueError(f"the energy needs at least 2 neurons, got {len(w)}")
-    if not torch.is_floating_point(w) or not bool(torch.isfinite(w).all()):
-        raise ValueError("w must be a floating-point tensor with finite entries")
-    if metric not in METRICS:
-        raise ValueError(f"metric must be one of {METRICS}, got {metric!r}")
+    if not torch.is_floating_point(w):
+        raise ValueError(f"w must be a floating-point tensor, got {w.dtype}")
+    if _on_cpu_eager(w) and not bool(torch.isfinite(w).all()):
+        raise ValueError("w must have finite entries")
+    return w
+
+
+def _on_cpu_eager(t: Tensor) -> bool:
+    """Value checks run only here: reading a GPU tensor would synchronise the device on every step."""
+    return t.device.type == "cpu" and not torch.compiler.is_compiling()
+
+
+def _points(w: Tensor, metric: str, half_space: bool, weights: Tensor | None) -> Tensor:
+    _check_w(w)
+    one_of("metric", metric, METRICS)
+    if not isinstance(half_space, bool):
+        raise ValueError(f"half_space must be True or False, got {half_space!r}")
     points = normalize(w.flatten(1))  # (N, d)
     if weights is not None:
         if metric != "euclidean":
             raise ValueError("weights (weighted MHE, eq. D.10) are defined for the euclidean metric only")
         weights = torch.as_tensor(weights, dtype=points.dtype, device=points.device)
-        if weights.shape != (len(w),) or not bool(torch.isfinite(weights).all()) or not bool((weights > 0).all()):
-            raise ValueError(f"weights must be a positive finite Tensor[{len(w)}]")
+        if weights.shape != (len(w),):
+            raise ValueError(f"weights must be a Tensor[{len(w)}], got shape {tuple(weights.shape)}")
+        if _on_cpu_eager(weights) and not bool((torch.isfinite(weights) & (weights > 0)).all()):
+            raise ValueError("weights must be positive and finite")
         points = weights[:, None] * points
     if half_space:
         points = torch.cat([points, -points])  # the virtual neurons -w_hat_k (§5.3.4)
@@ -59,11 +103,15 @@ def _points(w: Tensor, metric: str, half_space: bool, weights: Tensor | None) ->
 
 
 def _backend_for(points: Tensor, metric: str, backend: str) -> str:
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    """The backend that computes ``points`` (Tensor[M, d]): explicit ones fail loudly, ``auto`` never drops float64."""
+    global _warned_no_triton
+    one_of("backend", backend, BACKENDS)
     if backend == "triton":
         if metric != "euclidean":
             raise ValueError("the triton backend fuses the euclidean metric only; use backend='tiled' for angular")
+        if points.dtype not in TRITON_DTYPES:
+            raise ValueError(f"backend='triton' computes in float32 and would silently lose the precision of "
+                             f"{points.dtype} input; use backend='tiled' (or 'dense') for float64, or pass w.float()")
         if not triton_importable():
             raise RuntimeError("backend='triton' needs the triton package (pip install triton)")
         if not usable_on(points):
@@ -71,9 +119,16 @@ def _backend_for(points: Tensor, metric: str, backend: str) -> str:
         return "triton"
     if backend != "auto":
         return backend
-    if points.is_cuda and metric == "euclidean" and triton_importable():
-        return "triton"
-    return "tiled" if len(points) > TILED_ABOVE else "dense"
+    m = len(points)
+    if points.is_cuda and metric == "euclidean" and points.dtype in TRITON_DTYPES:
+        if triton_importable():
+            if m > TRITON_ABOVE and matmul_precision() != "ieee":
+                return "triton"
+        elif not _warned_no_triton:
+            _warned_no_triton = True
+            warnings.warn("backend='auto' on CUDA falls back to dense/tiled: the triton package is not importable",
+                          stacklevel=3)
+    return "tiled" if m > (TILED_ABOVE_CUDA if points.is_cuda else TILED_ABOVE) else "dense"
 
 
 def hyperspherical_energy(w: Tensor, s: float = 2.0, metric: str = "euclidean", half_space: bool = False,
@@ -87,15 +142,16 @@ def hyperspherical_energy(w: Tensor, s: float = 2.0, metric: str = "euclidean", 
         half_space (bool): add the virtual neurons -w_hat_i and average over the 2N (2N - 1)
             ordered pairs of the 2N points (eq. E.2). Default: False.
         weights (Tensor[N], optional): fixed beta_i > 0 of weighted MHE, points beta_i w_hat_i (eq. D.10).
-        backend (str): ``"auto"``, ``"dense"``, ``"tiled"`` or ``"triton"``.
-        eps (float): floor on squared distances, see Note [energy floor] in :mod:`~sphereml.energy.kernels`.
+        backend (str): ``"auto"``, ``"dense"``, ``"tiled"`` or ``"triton"`` (float32 / half only).
+            Default: ``"auto"``.
+        eps (float): floor on squared distances, in (0, 1), see Note [energy floor] in
+            :mod:`~sphereml.energy.kernels`. Default: 1e-7.
 
     Returns:
-        0-dim Tensor, differentiable with respect to ``w`` (through the normalisation).
+        0-dim Tensor of ``w``'s dtype, differentiable with respect to ``w`` (through the normalisation).
     """
     s = _check_s(s)
-    if not 0 < eps < 1:
-        raise ValueError(f"eps must be in (0, 1), got {eps}")
+    eps = real_number("eps", eps, above=0.0, below=1.0)
     points = _points(w, metric, half_space, weights)
     chosen = _backend_for(points, metric, backend)
     if chosen == "dense":
@@ -112,10 +168,20 @@ def minibatch_energy(w: Tensor, batch: int, s: float = 2.0, metric: str = "eucli
     Every ordered pair of distinct neurons is equally likely to appear, so the pair mean of
     the subset is an unbiased estimate of the full pair mean (full-space and weighted
     energies; the half-space energy of a subset over-weights the constant pairs (w, -w)).
+
+    Args:
+        w (Tensor[N, ...]): neurons, one per row.
+        batch (int): neurons drawn, in [2, N].
+        generator (torch.Generator, optional): the generator of the draw (on its own device); without
+            one the draw uses the default generator of ``w``'s device.
+        **kwargs: further arguments of :func:`hyperspherical_energy` (``weights`` is subset alike).
     """
-    if not isinstance(batch, int) or not 2 <= batch <= len(w):
-        raise ValueError(f"batch must be an integer in [2, {len(w)}], got {batch!r}")
-    idx = torch.randperm(len(w), generator=generator)[:batch].to(w.device)
+    _check_w(w)
+    batch = integer("batch", batch, at_least=2, at_most=len(w))
+    if generator is None:
+        idx = torch.randperm(len(w), device=w.device)[:batch]  # drawn where w lives: no host round trip
+    else:
+        idx = torch.randperm(len(w), generator=generator, device=generator.device)[:batch].to(w.device)
     weights = kwargs.pop("weights", None)
     if weights is not None:
         kwargs["weights"] = torch.as_tensor(weights, device=w.device)[idx]
@@ -133,21 +199,28 @@ def output_energy(weight: Tensor, labels: Tensor, s: float = 2.0, eps: float = 1
 
     (1 / (m (N - 1))) sum_i sum_{j != y_i} f_s(||w_hat_{y_i} - w_hat_j||): each sample pushes its
     own class weight away from all other class weights, so only the classes present in the
-    batch receive a repulsive gradient of their own.
+    batch receive a repulsive gradient of their own.  Close classes are exact as in
+    :func:`hyperspherical_energy` (Note [close pairs] in :mod:`~sphereml.energy.kernels`).
 
     Args:
-        weight (Tensor[N, d]): classifier weights, one row per class.
-        labels (Tensor[m], int64): the batch labels.
+        weight (Tensor[N, d]): classifier weights, one row per class; N >= 2.
+        labels (Tensor[m], int64): the batch labels, in [0, N) (range checked for CPU tensors).
+        s (float): Riesz exponent >= 0. Default: 2.
+        eps (float): the floor of Note [energy floor], in (0, 1). Default: 1e-7.
+
+    Returns:
+        0-dim Tensor.
     """
     s = _check_s(s)
-    if weight.dim() != 2 or len(weight) < 2:
-        raise ValueError(f"weight must be Tensor[N >= 2, d], got {tuple(weight.shape)}")
-    if labels.dtype != torch.long or labels.dim() != 1 or (labels.numel() and (
-            int(labels.min()) < 0 or int(labels.max()) >= len(weight))):
-        raise ValueError(f"labels must be an int64 Tensor[m] with values in [0, {len(weight)})")
+    eps = real_number("eps", eps, above=0.0, below=1.0)
+    if not isinstance(weight, Tensor) or weight.dim() != 2 or len(weight) < 2:
+        raise ValueError(f"weight must be Tensor[N >= 2, d], got {getattr(weight, 'shape', weight)!r}")
+    if isinstance(labels, Tensor) and labels.dim() != 1:
+        raise ValueError(f"labels must be a Tensor[m], got shape {tuple(labels.shape)}")
+    _check_labels("labels", labels, len(labels) if isinstance(labels, Tensor) else 0, num_classes=len(weight))
     unit = normalize(weight)
-    gram = unit[labels] @ unit.T  # (m, N)
-    ones = torch.ones(1, 1, dtype=unit.dtype, device=unit.device)
-    values, _ = pair_values(gram, ones, ones.T, s, "euclidean", eps)
-    others = torch.ones_like(values, dtype=torch.bool).scatter(1, labels[:, None], False)
-    return values[others].mean()
+    own = torch.zeros(len(labels), len(weight), dtype=torch.bool, device=unit.device)
+    own[torch.arange(len(labels), device=unit.device), labels] = True  # (m, N): the pairs (y_i, y_i)
+    r2, _ = squared_distances(unit[labels], unit, unit[labels] @ unit.T, skip=own)  # (m, N)
+    values, _ = pair_values(r2, None, None, s, "euclidean", eps)
+    return values[~own].mean()

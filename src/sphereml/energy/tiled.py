@@ -9,7 +9,9 @@ attention does) and forms the gradient with one matmul per block:
 
 with D_ij = df / dg_ij (from :func:`~sphereml.energy.kernels.pair_values`), the factor 2
 from the two ordered pairs (i, j) and (j, i), and c = 1 / (M (M - 1)) times the incoming
-gradient.
+gradient.  Close pairs (Note [close pairs] in :mod:`~sphereml.energy.kernels`) get their r^2
+from explicit differences, are left out of the matmul and add D_ij (q_j - q_i) from the
+gathered differences (``index_add_``), in both metrics.
 """
 
 from __future__ import annotations
@@ -17,22 +19,33 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .kernels import pair_values
+from .kernels import CLOSE_R2, pair_values
 
 
 def _block_size(m: int, budget: int = 2**22) -> int:
     return max(1, min(m, budget // max(m, 1)))
 
 
-def _euclidean_block(points: Tensor, sq: Tensor, start: int, stop: int, s: float, eps: float, with_grad: bool):
-    """The euclidean case with in-place arithmetic on one (b, M) buffer (the hot path of the tiled backend).
+def _fix_close_pairs(points: Tensor, sq: Tensor, r2: Tensor, start: int, stop: int) -> tuple[Tensor, Tensor]:
+    """Overwrite the close pairs of the Gram estimate ``r2`` (Tensor[b, M]) in place with ||q_i - q_j||^2.
 
-    Same values as :func:`~sphereml.energy.kernels.pair_values`: r^2 = |q_i|^2 + |q_j|^2 - 2 g_ij comes out of
-    one ``addmm``; the kernel and its derivative are computed in place, with the usual fast paths
-    for s = 0, 1, 2.
+    One comparison against a bound that holds for the whole block finds a few candidates
+    (the diagonal among them); the exact rule of :func:`~sphereml.energy.kernels.close_mask`
+    is applied to those only.  Returns the (block row, column) indices of the close pairs.
     """
-    r2 = torch.addmm(sq[None, :].expand(stop - start, -1), points[start:stop], points.T, beta=1.0, alpha=-2.0)
-    r2.add_(sq[start:stop, None])
+    sq_rows = sq[start:stop]
+    rows, cols = (r2 < 0.5 * CLOSE_R2 * (sq_rows.max() + sq.max())).nonzero(as_tuple=True)
+    keep = (2 * r2[rows, cols] < CLOSE_R2 * (sq_rows[rows] + sq[cols])) & (rows + start != cols)
+    rows, cols = rows[keep], cols[keep]
+    r2[rows, cols] = (points[start + rows] - points[cols]).square().sum(1)
+    return rows, cols
+
+
+def _euclidean_values(r2: Tensor, s: float, eps: float, with_grad: bool) -> tuple[Tensor | None, Tensor | None]:
+    """The kernel of :func:`~sphereml.energy.kernels.pair_values` in place on one (b, M) buffer (the hot path).
+
+    Fast paths for s = 0, 1, 2; ``with_grad`` returns D = df/dg instead of the values.
+    """
     below = r2 <= eps if with_grad else None
     r2.clamp_min_(eps)
     if not with_grad:
@@ -54,16 +67,27 @@ def _euclidean_block(points: Tensor, sq: Tensor, start: int, stop: int, s: float
 
 
 def _block(points: Tensor, sq: Tensor, start: int, stop: int, s, metric, eps, with_grad):
+    """Values (or D) of rows start:stop against all points, zero on i == j, and the close pairs' indices."""
+    rows_q = points[start:stop]
     if metric == "euclidean":
-        values, deriv = _euclidean_block(points, sq, start, stop, s, eps, with_grad)
+        gram = None  # r^2 = |q_i|^2 + |q_j|^2 - 2 g_ij straight out of one addmm
+        r2 = torch.addmm(sq[None, :].expand(stop - start, -1), rows_q, points.T, beta=1.0, alpha=-2.0)  # (b, M)
+        r2.add_(sq[start:stop, None])
     else:
-        gram = points[start:stop] @ points.T  # (b, M)
-        values, deriv = pair_values(gram, sq[start:stop, None], sq[None, :], s, metric, eps, with_grad)
+        gram = rows_q @ points.T  # (b, M)
+        r2 = sq[start:stop, None] + sq[None, :] - 2 * gram
+    close_rows, close_cols = _fix_close_pairs(points, sq, r2, start, stop)
+    if metric == "euclidean":
+        values, deriv = _euclidean_values(r2, s, eps, with_grad)
+    else:
+        close = torch.zeros_like(r2, dtype=torch.bool)
+        close[close_rows, close_cols] = True
+        values, deriv = pair_values(r2, gram, close, s, metric, eps, with_grad)
     diag = torch.arange(stop - start, device=points.device)
     for t in (values, deriv):
         if t is not None:
             t[diag, diag + start] = 0
-    return values, deriv
+    return values, deriv, (close_rows, close_cols)
 
 
 class TiledEnergy(torch.autograd.Function):
@@ -76,7 +100,7 @@ class TiledEnergy(torch.autograd.Function):
         sq = (points * points).sum(1)
         total = torch.zeros((), dtype=torch.float64, device=points.device)
         for start in range(0, m, block):
-            values, _ = _block(points, sq, start, min(start + block, m), s, metric, eps, False)
+            values, _, _ = _block(points, sq, start, min(start + block, m), s, metric, eps, False)
             total += values.sum(dtype=torch.float64)
         ctx.save_for_backward(points)
         ctx.params = (s, metric, eps, block)
@@ -84,6 +108,8 @@ class TiledEnergy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output: Tensor):
+        if not ctx.needs_input_grad[0]:
+            return None, None, None, None, None
         (points,) = ctx.saved_tensors
         s, metric, eps, block = ctx.params
         m = len(points)
@@ -92,10 +118,13 @@ class TiledEnergy(torch.autograd.Function):
         grad = torch.empty_like(points)
         for start in range(0, m, block):
             stop = min(start + block, m)
-            _, deriv = _block(points, sq, start, stop, s, metric, eps, True)
+            _, deriv, (rows, cols) = _block(points, sq, start, stop, s, metric, eps, True)
+            d_close = deriv[rows, cols]  # Note [close pairs]: explicit differences, not the matmul
+            deriv[rows, cols] = 0
             g = deriv @ points  # (b, d)
             if metric == "euclidean":
-                g = g - deriv.sum(1, keepdim=True) * points[start:stop]
+                g -= deriv.sum(1, keepdim=True) * points[start:stop]
+            g.index_add_(0, rows, d_close[:, None] * (points[cols] - points[start + rows]))
             grad[start:stop] = g * scale
         return grad, None, None, None, None
 

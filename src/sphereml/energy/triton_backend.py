@@ -1,16 +1,54 @@
 """Fused Triton kernels for the Euclidean energy: one forward kernel, one backward kernel.
 
-Forward: each program owns ``BM`` rows of Q, walks over all column tiles, forms the Gram tile
-with ``tl.dot`` (float32, IEEE precision), evaluates the Riesz kernel, masks i == j and the
-ragged edge, and writes one partial sum per row.  Backward: each program owns ``BM`` rows and a
-``BDO``-wide slice of the output gradient, recomputes the Gram tiles (no M x M matrix is ever
-stored, as in flash attention), and accumulates sum_j D_ij q_j and sum_j D_ij for
-dE/dq_i = 2 c sum_j D_ij (q_j - q_i) (see :mod:`~sphereml.energy.tiled`).
+Forward: each program owns ``BLOCK`` rows of Q and walks over the column tiles at or right of
+its diagonal tile (the pair matrix is symmetric: off-diagonal tiles count twice, half the Gram
+work), forms each Gram tile with ``tl.dot``, evaluates the Riesz kernel, masks i == j and the
+ragged edge, and writes one partial sum per row (deterministic; summed in float64).
+Backward: each program owns ``BM`` rows and a ``BDO``-wide slice of the gradient, recomputes
+the Gram tiles over all of d (no M x M matrix is ever stored, as in flash attention), and
+accumulates sum_j D_ij q_j and sum_j D_ij for dE/dq_i = 2 c sum_j D_ij (q_j - q_i) (see
+:mod:`~sphereml.energy.tiled`).  The Gram tiles are thus computed d / BDO times: autotuning
+chooses BDO = 256 (twice at d = 512, a few hundred bytes of register spills) or 128 (four
+times, no spills) on a GPU.  Memory is O(M d); every program writes its own output, so the
+result is deterministic and no float atomics are used.
+
+Close pairs (Note [close pairs] in :mod:`~sphereml.energy.kernels`): a tile whose Gram estimate
+flags a close pair recomputes r^2 from coordinate differences, and in the backward leaves
+those pairs out of the ``tl.dot`` and adds D_ij (q_j - q_i) from explicit differences.  Only
+such tiles take the slow path (a loop over coordinates on the CUDA cores), and it is exact in
+every matmul precision.
+
+Precision policy (float32 arithmetic only: float64 input is refused, half input is upcast).
+The Gram and gradient products follow ``torch.get_float32_matmul_precision()`` when the
+energy is called, as PyTorch's own matmuls do:
+
+* ``"highest"`` (PyTorch's default) -> ``input_precision="ieee"``: exact float32 FMA products,
+  no tensor cores.  Slow: N = 32768, d = 512, s = 2 forward + backward took 1.74 s on an H200
+  (forward 0.077 s; dense 0.59 s), so ``auto`` does not pick this kernel at "highest".
+* ``"high"`` and ``"medium"`` -> ``"tf32"``: one TF32 tensor-core product (10-bit mantissa, unit
+  roundoff 2^-11), as cuBLAS does for PyTorch's own matmuls at both settings.  The squared
+  distance of a far pair is off by up to 2e-3 (emulated for unit rows: max 1.1e-4 at d = 512,
+  1.3e-3 at d = 3; the energy at N = 32768, d = 512 moved by 4e-6 relative on an H200 with the
+  previous kernel).  0.115 s forward + backward at N = 32768, d = 512 on an H200, 5.1x faster
+  than dense (0.59 s, 62 GiB peak) in O(N d) memory.  ``"tf32x3"`` (three TF32 products, float32
+  accuracy) is not used: an autotuned tf32x3 configuration hit an illegal memory access there
+  (Triton 3.6; benchmarks/results/energy_triton_configs-cuda.json).
+
+Tested under ``TRITON_INTERPRET=1`` on the CPU (values and gradients against float64 dense,
+ragged sizes, duplicates and close pairs, half space, s = 0, 1, 1.5, 2, each precision
+setting) and compiled on an H200 (torch 2.11, Triton 3.6: ``tests/test_energy_triton.py``
+passes on CUDA tensors, one configuration per kernel; every configuration timed alone in
+benchmarks/results/energy_triton_configs-cuda.json).
+
+Autotuning: a few Hopper-friendly block / warp / stage configurations on a GPU
+(:mod:`~sphereml.energy._triton_kernels`), one fixed configuration under
+``TRITON_INTERPRET=1``; keyed on (M bucket, d, the s fast path, precision).  The M bucket is
+``min(next_power_of_2(M), TUNE_CAP)``, and a call with M > TUNE_CAP tunes once on its first
+TUNE_CAP rows, so a huge call (N = 2^20) never times several configurations at full size.
 
 Triton has no arccos, so only ``metric="euclidean"`` is fused; the angular energy uses the
 tiled backend.  On a CPU-only machine the kernels run under ``TRITON_INTERPRET=1`` (slowly),
-which is how the test suite checks them against the dense reference.  One block
-configuration is used (multi-config autotuning needs a GPU driver).
+which is how the test suite checks them against the dense reference.
 """
 
 from __future__ import annotations
@@ -20,7 +58,12 @@ import os
 import torch
 from torch import Tensor
 
-BM, BN, BD = 64, 64, 32
+from .kernels import CLOSE_R2
+
+TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+PRECISIONS = {"highest": "ieee", "high": "tf32", "medium": "tf32"}  # torch setting -> tl.dot input_precision
+TUNE_CAP = 32768  # the largest M bucket of the autotuning key
+_tuned_on_prefix: set = set()
 
 
 def triton_importable() -> bool:
@@ -40,50 +83,74 @@ def usable_on(points: Tensor) -> bool:
     return triton_importable() and (points.is_cuda or (interpreting() and points.device.type == "cpu"))
 
 
+def matmul_precision() -> str:
+    """The ``tl.dot`` input precision that matches ``torch.get_float32_matmul_precision()``."""
+    return PRECISIONS[torch.get_float32_matmul_precision()]
+
+
 def _kernels():
     """Import the kernels on first use (see :mod:`sphereml.energy._triton_kernels`)."""
     import triton
 
     from . import _triton_kernels
 
-    return triton, _triton_kernels.forward_kernel, _triton_kernels.backward_kernel
+    return triton, _triton_kernels
 
 
-def _launch_parts(points: Tensor):
-    triton, forward_kernel, backward_kernel = _kernels()
-    q = points.detach().float().contiguous()
-    sq = (q * q).sum(1).contiguous()
-    return triton, forward_kernel, backward_kernel, q, sq
+def _power(s: float) -> int:
+    """The ``POWER`` fast path of the kernel: 0 (log), 1, 2, or -1 (general s)."""
+    return int(s) if s in (0.0, 1.0, 2.0) else -1
+
+
+def _launch(kind: str, q: Tensor, sq: Tensor, s: float, eps: float, precision: str) -> Tensor:
+    """Run the forward (``kind="forward"``: Tensor[M] of row partial sums) or backward kernel (Tensor[M, d])."""
+    triton, kernels = _kernels()
+    m, d = q.shape
+    if m > TUNE_CAP and not interpreting() and (kind, d, _power(s), precision) not in _tuned_on_prefix:
+        _launch(kind, q[:TUNE_CAP], sq[:TUNE_CAP], s, eps, precision)  # tunes the key M bucket = TUNE_CAP
+        _tuned_on_prefix.add((kind, d, _power(s), precision))
+    m_key = min(triton.next_power_of_2(m), TUNE_CAP)
+    args = (q, sq)
+    scalars = (m, d, q.stride(0), m_key, float(s), float(eps), CLOSE_R2)
+    if kind == "forward":
+        out = torch.empty(m, dtype=torch.float32, device=q.device)
+        kernels.forward_kernel[lambda meta: (triton.cdiv(m, meta["BLOCK"]),)](
+            *args, out, *scalars, POWER=_power(s), PRECISION=precision)
+        return out
+    grad = torch.empty_like(q)
+    kernels.backward_kernel[lambda meta: (triton.cdiv(m, meta["BM"]), triton.cdiv(d, meta["BDO"]))](
+        *args, grad, *scalars, POWER=_power(s), PRECISION=precision)
+    return grad
 
 
 class TritonEnergy(torch.autograd.Function):
-    """``TritonEnergy.apply(points, s, eps)``: Euclidean pair-mean energy with fused kernels."""
+    """``TritonEnergy.apply(points, s, eps)``: Euclidean pair-mean energy with fused kernels (float32 arithmetic)."""
 
     @staticmethod
     def forward(ctx, points: Tensor, s: float, eps: float) -> Tensor:
-        triton, forward_kernel, _, q, sq = _launch_parts(points)
-        m, d = q.shape
-        partial = torch.empty(m, dtype=torch.float32, device=q.device)
-        forward_kernel[(triton.cdiv(m, BM),)](q, sq, partial, m, d, q.stride(0), float(s), float(eps), LOG=s == 0,
-                                              BM=BM, BN=BN, BD=BD)
+        q = points.detach().float().contiguous()  # (M, d)
+        sq = (q * q).sum(1)  # (M,)
+        precision = matmul_precision()
+        partial = _launch("forward", q, sq, s, eps, precision)
+        m = len(q)
         ctx.save_for_backward(points)
-        ctx.params = (s, eps)
+        ctx.params = (s, eps, precision)
         return (partial.sum(dtype=torch.float64) / (m * (m - 1))).to(points.dtype)
 
     @staticmethod
     def backward(ctx, grad_output: Tensor):
+        if not ctx.needs_input_grad[0]:
+            return None, None, None
         (points,) = ctx.saved_tensors
-        s, eps = ctx.params
-        triton, _, backward_kernel, q, sq = _launch_parts(points)
-        m, d = q.shape
-        bdo = min(128, max(16, triton.next_power_of_2(d)))
-        grad = torch.empty_like(q)
-        backward_kernel[(triton.cdiv(m, BM), triton.cdiv(d, bdo))](
-            q, sq, grad, m, d, q.stride(0), float(s), float(eps), LOG=s == 0, BM=BM, BN=BN, BD=BD, BDO=bdo)
+        s, eps, precision = ctx.params
+        q = points.detach().float().contiguous()
+        sq = (q * q).sum(1)
+        grad = _launch("backward", q, sq, s, eps, precision)
+        m = len(q)
         scale = grad_output * (2.0 / (m * (m - 1)))
         return (grad * scale).to(points.dtype), None, None
 
 
 def triton_energy(points: Tensor, s: float, eps: float) -> Tensor:
-    """Pair-mean Euclidean energy of ``points`` (Tensor[M, d]) through the fused kernels."""
+    """Pair-mean Euclidean energy of ``points`` (Tensor[M, d], float32 or half) through the fused kernels."""
     return TritonEnergy.apply(points, s, eps)

@@ -1,0 +1,195 @@
+"""The chapter runtime: profiles, per-chapter outputs (figures, ``metrics.json``) and claim records.
+
+Profiles (book/reproducing.md):
+
+* ``smoke`` — seconds; exercises every code path (tests and CI);
+* ``cpu``   — minutes on two cores, real data; what the rendered book shows;
+* ``gpu``   — the seed's own scale where feasible.
+
+``auto`` resolves to ``$SPHEREML_PROFILE`` when set, else ``gpu`` when CUDA is
+available, else ``cpu``.  Every chapter opens with::
+
+    ch = Chapter("06_mhe", profile, device, seed, output_dir, params=dict(...))
+
+and then uses ``ch.pick(smoke=…, cpu=…, gpu=…)`` for sizes, ``ch.fit`` / ``ch.evaluate`` /
+``ch.collect`` to train on its device, ``ch.savefig`` for figures, ``ch.record`` for numbers and
+``ch.claim`` for each verdict it prints.
+"""
+
+from __future__ import annotations
+
+import os
+import textwrap
+from numbers import Number
+from pathlib import Path
+
+import torch
+
+from . import _io, data, viz
+from ._checks import integer
+from .train import collect_outputs, evaluate, fit, resolve_device, seed_everything
+
+__all__ = ["PROFILES", "VERDICTS", "resolve_profile", "repo_root", "resolve_output_dir", "Chapter"]
+
+PROFILES = ("smoke", "cpu", "gpu")
+VERDICTS = {True: "holds", False: "does not hold", None: "not distinguishable"}
+PAGE_WIDTH = 96  # characters of a printed line that fit the book's column
+
+
+def resolve_profile(profile: str = "auto") -> str:
+    """Map ``auto`` to ``$SPHEREML_PROFILE``, else ``gpu`` with CUDA, else ``cpu``; validate the name."""
+    if profile == "auto":
+        profile = os.environ.get("SPHEREML_PROFILE") or ("gpu" if torch.cuda.is_available() else "cpu")
+    if profile not in PROFILES:
+        raise ValueError(f"profile must be 'auto' or one of {PROFILES}, got {profile!r}")
+    return profile
+
+
+def repo_root(start: str | os.PathLike | None = None) -> Path | None:
+    """The nearest folder at or above ``start`` (default: cwd) that holds ``_toc.yml``."""
+    here = Path(start or Path.cwd()).resolve()
+    for folder in (here, *here.parents):
+        if (folder / "_toc.yml").is_file():
+            return folder
+    return None
+
+
+def resolve_output_dir(chapter: str, output_dir: str | os.PathLike = "") -> Path:
+    """Where a chapter writes figures and metrics: ``output_dir`` if given, else ``$SPHEREML_OUTPUT``,
+    else ``<repo>/_build/runs/<chapter>`` (``./_build/runs/<chapter>`` outside the repository)."""
+    if output_dir:
+        return Path(output_dir)
+    if os.environ.get("SPHEREML_OUTPUT"):
+        return Path(os.environ["SPHEREML_OUTPUT"])
+    return (repo_root() or Path.cwd()) / "_build" / "runs" / chapter
+
+
+def _show(value) -> str:
+    """A compact text form of a claim's number(s): 4 significant digits, dicts as ``key value`` pairs."""
+    if isinstance(value, bool) or value is None:
+        return str(value)
+    if isinstance(value, Number):
+        return f"{value:.4g}"
+    if isinstance(value, dict):
+        return ", ".join(f"{k} {_show(v)}" for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_show(v) for v in value) + "]"
+    return str(value)
+
+
+class Chapter:
+    """One chapter's run: resolved profile and device, seeding, figure, metrics and claim output.
+
+    Args:
+        name (str): the notebook stem, e.g. ``"01_hypersphere"``.
+        profile (str): ``auto``, ``smoke``, ``cpu`` or ``gpu``.
+        device (str): ``auto``, ``cpu`` or ``cuda``.
+        seed (int): seeds Python, NumPy and torch.
+        output_dir (str): see :func:`resolve_output_dir`.
+        params (dict, optional): the parameters cell, snapshotted into ``metrics.json``.
+    """
+
+    def __init__(self, name: str, profile: str = "auto", device: str = "auto", seed: int = 0,
+                 output_dir: str = "", params: dict | None = None):
+        self.name = name
+        self.profile = resolve_profile(profile)
+        self.device = resolve_device(device)
+        self.seed = integer("seed", seed, at_least=0)
+        seed_everything(seed)
+        self.output_dir = resolve_output_dir(name, output_dir)
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        self.metrics: dict = {
+            "chapter": name, "profile": self.profile, "device": str(self.device),
+            "device_name": torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu",
+            "torch": torch.__version__, "params": dict(params or {}), "threads": torch.get_num_threads(),
+            "claims": [],
+        }
+        self.figures: list[str] = []
+        viz.set_style()
+        self.write()
+
+    def pick(self, **by_profile):
+        """The value for the active profile, e.g. ``ch.pick(smoke=1, cpu=8, gpu=50)``."""
+        missing = [p for p in PROFILES if p not in by_profile]
+        if missing:
+            raise ValueError(f"pick() needs a value for every profile; missing {missing}")
+        return by_profile[self.profile]
+
+    # ---------------------------------------------------------------- training on the chapter's device
+    def fit(self, model, train_data, **kwargs):
+        """:func:`~sphereml.train.fit` on this chapter's device and seed, without a progress bar."""
+        kwargs = {"device": self.device, "seed": self.seed, "progress": False, **kwargs}
+        return fit(model, train_data, **kwargs)
+
+    def evaluate(self, model, data, **kwargs) -> dict:
+        """:func:`~sphereml.train.evaluate` on this chapter's device."""
+        return evaluate(model, data, **{"device": self.device, **kwargs})
+
+    def collect(self, fn, data, **kwargs):
+        """:func:`~sphereml.train.collect_outputs` on this chapter's device: (outputs, labels) on the CPU."""
+        return collect_outputs(fn, data, **{"device": self.device, **kwargs})
+
+    def cifar(self, num_classes: int = 10):
+        """(train, test) CIFAR-10/100 for a ``gpu`` section, or None when the archive is not here.
+
+        A local archive is used (see :func:`~sphereml.data.find_cifar`); without one a download is
+        tried.  Where neither works (no internet, ``$SPHEREML_NO_DOWNLOAD``), the chapter prints where
+        to put the archive and records the skip instead of failing: its other results stand.  A corrupt
+        archive still raises :class:`~sphereml.data.DataError`.
+        """
+        if data.find_cifar(num_classes) is None:
+            try:
+                data.load_cifar(num_classes, "train", download=True)
+            except (data.DataError, RuntimeError) as err:
+                archive, reason = f"cifar-{num_classes}-python.tar.gz", str(err).splitlines()[0][:80]
+                print("\n".join(textwrap.wrap(
+                    f"CIFAR-{num_classes} skipped: {archive} is not on this machine and could not be downloaded "
+                    f"({reason}). Put the official archive in $SPHEREML_DATA/cifar-{num_classes}/ or "
+                    f"~/.cache/sphereml/cifar-{num_classes}/ and rerun this chapter.", PAGE_WIDTH)))
+                self.record(**{f"cifar{num_classes}_skipped": True})
+                return None
+        return data.load_cifar(num_classes, "train"), data.load_cifar(num_classes, "test")
+
+    # ---------------------------------------------------------------- outputs
+    def savefig(self, fig, name: str, show: bool = True) -> None:
+        """Save ``fig`` as ``<output_dir>/<name>.png``, list it in the metrics, and show it."""
+        path = viz.save_and_show(fig, self.output_dir / f"{name}.png", show=show)
+        self.figures.append(path.name)
+        self.metrics["figures"] = sorted(set(self.figures))
+        self.write()
+
+    def record(self, **values) -> None:
+        """Add results to the metrics and rewrite ``metrics.json``."""
+        self.metrics.update(values)
+        self.write()
+
+    def claim(self, id: str, statement: str, source: str, ours, holds: bool | None, paper=None) -> dict:
+        """Print one verdict beside the numbers behind it, and store it as a record in ``metrics.json``.
+
+        Args:
+            id (str): a short stable identifier, unique within the chapter (e.g. ``"afs-asoftmax"``).
+            statement (str): the claim in words, as the seed makes it (or as we test it).
+            source (str): where the seed makes it (e.g. ``"thesis Table 2.3"``).
+            ours: our value(s) that decide it (a number, or a dict of named numbers).
+            holds (bool or None): the verdict computed from ``ours``; None when the difference is
+                within the noise ("not distinguishable").
+            paper: the seed's value(s), if it gives any.
+
+        Returns:
+            the record: id, statement, source, paper, ours, profile, verdict.
+        """
+        if holds not in VERDICTS:
+            raise ValueError(f"holds must be True, False or None, got {holds!r}")
+        record = {"id": id, "statement": statement, "source": source, "paper": paper, "ours": ours,
+                  "profile": self.profile, "verdict": VERDICTS[bool(holds) if holds is not None else None]}
+        self.metrics["claims"] = [c for c in self.metrics["claims"] if c["id"] != id] + [record]
+        self.write()
+        numbers = f"ours: {_show(ours)}" + (f"; paper: {_show(paper)}" if paper is not None else "")
+        lines = textwrap.wrap(f"{record['verdict'].upper()}: {statement} ({source})", PAGE_WIDTH,
+                              subsequent_indent="    ")
+        lines += textwrap.wrap(numbers, PAGE_WIDTH, initial_indent="    ", subsequent_indent="    ")
+        print("\n".join(lines))
+        return record
+
+    def write(self) -> Path:
+        return _io.write_json(self.metrics, self.output_dir / "metrics.json")

@@ -1,0 +1,110 @@
+"""Wall-clock timing with ratios to a baseline measured in the same run (benchmarks and chapters).
+
+Shared machines are noisy, so a speed is only reported as a ratio to a baseline timed in the
+same process, interleaved with it: :func:`compare` runs one call of every candidate per round
+(round-robin) and keeps each one's median, so a slow spell hits all candidates alike.  CUDA
+work is synchronised before every clock reading.  Timings are reported, never asserted.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from . import _io
+from ._checks import integer
+
+__all__ = ["device_name", "environment", "median_seconds", "Comparison", "compare", "save_result"]
+
+
+def device_name(device: torch.device | str) -> str:
+    """``"NVIDIA H200"`` for a GPU, ``"x86_64 (2 threads)"`` for the CPU."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"{platform.processor() or platform.machine()} ({torch.get_num_threads()} threads)"
+
+
+def environment(device: torch.device | str) -> dict:
+    """What a timing depends on: device, core count, torch / triton / CUDA versions, date."""
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    return {"device": device_name(device), "cpu_count": os.cpu_count(), "threads": torch.get_num_threads(),
+            "torch": torch.__version__, "cuda": torch.version.cuda, "triton": triton_version,
+            "date": datetime.date.today().isoformat()}
+
+
+def _synchronizer(device: torch.device | str) -> Callable[[], None]:
+    return torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
+
+
+def median_seconds(fn: Callable[[], object], device: torch.device | str = "cpu", repeats: int = 10,
+                   warmup: int = 2) -> float:
+    """Median wall time of ``fn()`` over ``repeats`` calls after ``warmup`` calls (CUDA synchronised)."""
+    return compare({"fn": fn}, "fn", device, repeats, warmup).seconds["fn"]
+
+
+@dataclass
+class Comparison:
+    """Median seconds per candidate and each one's ratio to the baseline, from one interleaved run."""
+
+    baseline: str
+    seconds: dict[str, float]
+    samples: dict[str, list[float]] = field(repr=False)
+
+    @property
+    def ratios(self) -> dict[str, float]:
+        return {label: s / self.seconds[self.baseline] for label, s in self.seconds.items()}
+
+    def table(self, width: int = 28) -> str:
+        """One line per candidate: median milliseconds and the ratio to the baseline."""
+        return "\n".join(f"{label:{width}s} {1e3 * s:9.2f} ms   {self.ratios[label]:5.2f} x {self.baseline}"
+                         for label, s in self.seconds.items())
+
+
+def compare(candidates: dict[str, Callable[[], object]], baseline: str, device: torch.device | str = "cpu",
+            repeats: int = 10, warmup: int = 2) -> Comparison:
+    """Time every candidate round-robin (one call of each per round) and return the medians.
+
+    Args:
+        candidates: label -> a function of no arguments doing the work once.
+        baseline (str): the label the ratios are taken against.
+        device: where the work runs (CUDA is synchronised around every call).
+        repeats (int): timed rounds. Default: 10.
+        warmup (int): untimed calls of each candidate first (compilation, caches). Default: 2.
+    """
+    if baseline not in candidates:
+        raise ValueError(f"baseline must be one of the candidates {sorted(candidates)}, got {baseline!r}")
+    integer("repeats", repeats, at_least=1)
+    integer("warmup", warmup, at_least=0)
+    sync = _synchronizer(device)
+    for fn in candidates.values():
+        for _ in range(warmup):
+            fn()
+    sync()
+    samples: dict[str, list[float]] = {label: [] for label in candidates}
+    for _ in range(repeats):
+        for label, fn in candidates.items():
+            start = time.perf_counter()
+            fn()
+            sync()
+            samples[label].append(time.perf_counter() - start)
+    seconds = {label: statistics.median(t) for label, t in samples.items()}
+    return Comparison(baseline, seconds, samples)
+
+
+def save_result(result: dict, path: str | os.PathLike) -> Path:
+    """Write a benchmark result as JSON, atomically."""
+    return _io.write_json(result, path)

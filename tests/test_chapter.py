@@ -1,0 +1,96 @@
+"""The chapter runtime: profiles, output folders, metrics, figures, claims, training helpers."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from sphereml import chapter
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_resolve_profile(monkeypatch):
+    monkeypatch.delenv("SPHEREML_PROFILE", raising=False)
+    assert chapter.resolve_profile("auto") == ("gpu" if torch.cuda.is_available() else "cpu")
+    monkeypatch.setenv("SPHEREML_PROFILE", "smoke")
+    assert chapter.resolve_profile("auto") == "smoke"
+    assert chapter.resolve_profile("gpu") == "gpu"  # an explicit profile beats the environment
+    with pytest.raises(ValueError, match="profile must be 'auto' or one of"):
+        chapter.resolve_profile("fast")
+    monkeypatch.setenv("SPHEREML_PROFILE", "turbo")
+    with pytest.raises(ValueError, match="'turbo'"):
+        chapter.resolve_profile("auto")
+
+
+def test_output_dir_resolution(tmp_path, monkeypatch):
+    monkeypatch.delenv("SPHEREML_OUTPUT", raising=False)
+    assert chapter.resolve_output_dir("ch", tmp_path / "x") == tmp_path / "x"
+    monkeypatch.chdir(REPO / "notebooks")
+    assert chapter.resolve_output_dir("ch") == REPO / "_build" / "runs" / "ch"
+    monkeypatch.setenv("SPHEREML_OUTPUT", str(tmp_path / "env"))
+    assert chapter.resolve_output_dir("ch") == tmp_path / "env"
+
+
+def test_chapter_records_metrics_and_picks_by_profile(tmp_path):
+    ch = chapter.Chapter("demo", profile="smoke", device="cpu", seed=3, output_dir=str(tmp_path), params={"k": 1})
+    assert ch.pick(smoke=1, cpu=2, gpu=3) == 1
+    with pytest.raises(ValueError, match="missing \\['gpu'\\]"):
+        ch.pick(smoke=1, cpu=2)
+    ch.record(answer=torch.tensor(42.0), path=Path("a"))
+    saved = json.loads((tmp_path / "metrics.json").read_text())
+    assert saved["answer"] == 42.0 and saved["profile"] == "smoke" and saved["params"] == {"k": 1}
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots()
+    ax.plot([0, 1])
+    ch.savefig(fig, "line", show=False)
+    assert (tmp_path / "line.png").stat().st_size > 0
+    assert json.loads((tmp_path / "metrics.json").read_text())["figures"] == ["line.png"]
+
+
+def test_chapter_helpers_train_on_its_device(tmp_path):
+    from sphereml.data import sphere_clusters
+    from sphereml.models import MLP, Classifier
+
+    ch = chapter.Chapter("demo", profile="smoke", device="cpu", seed=0, output_dir=str(tmp_path))
+    data = sphere_clusters(3, 20, 6, seed=0)
+    model = Classifier(MLP(6, 4, hidden=(8,)), 3)
+    history = ch.fit(model, data, epochs=2, batch_size=16)
+    assert len(history.epochs) == 2
+    assert set(ch.evaluate(model, data)) == {"loss", "accuracy"}
+    features, labels = ch.collect(model.features, data)
+    assert features.shape == (60, 4) and labels.shape == (60,)
+
+
+def test_claims_are_printed_and_recorded(tmp_path, capsys):
+    ch = chapter.Chapter("demo", profile="cpu", device="cpu", seed=0, output_dir=str(tmp_path))
+    record = ch.claim("afs", "A-Softmax lowers the angular Fisher score below softmax", "thesis Table 2.3",
+                      ours={"softmax": 0.138, "A-Softmax": 0.116}, holds=0.116 < 0.138, paper=None)
+    ch.claim("tie", "two heads differ", "thesis Table 2.4", ours=0.001, holds=None, paper=0.5)
+    ch.claim("afs", "A-Softmax lowers the angular Fisher score below softmax", "thesis Table 2.3",
+             ours={"softmax": 0.138, "A-Softmax": 0.2}, holds=False)  # the same id is replaced, not repeated
+    printed = capsys.readouterr().out
+    assert "HOLDS: A-Softmax lowers" in printed and "ours: softmax 0.138, A-Softmax 0.116" in printed
+    assert "NOT DISTINGUISHABLE: two heads differ" in printed and "paper: 0.5" in printed
+    assert all(len(line) <= chapter.PAGE_WIDTH for line in printed.splitlines())
+    assert record["verdict"] == "holds" and record["profile"] == "cpu"
+    saved = json.loads((tmp_path / "metrics.json").read_text())["claims"]
+    assert [c["id"] for c in saved] == ["tie", "afs"] and saved[1]["verdict"] == "does not hold"
+    assert set(saved[0]) == {"id", "statement", "source", "paper", "ours", "profile", "verdict"}
+    with pytest.raises(ValueError, match="holds must be True, False or None"):
+        ch.claim("x", "y", "z", ours=1, holds="yes")
+
+
+def test_cifar_is_skipped_with_a_note_when_the_archive_is_missing(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("SPHEREML_NO_DOWNLOAD", "1")
+    monkeypatch.setenv("SPHEREML_DATA", str(tmp_path / "empty"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setattr(chapter.data, "search_paths", lambda name, root=None: [tmp_path / "empty" / name])
+    ch = chapter.Chapter("demo", profile="gpu", device="cpu", seed=0, output_dir=str(tmp_path / "out"))
+    assert ch.cifar(10) is None
+    printed = capsys.readouterr().out
+    assert "CIFAR-10 skipped: cifar-10-python.tar.gz" in printed and "$SPHEREML_DATA/cifar-10/" in printed
+    assert json.loads((tmp_path / "out" / "metrics.json").read_text())["cifar10_skipped"] is True

@@ -1,0 +1,147 @@
+"""Regularisers bound to a model's layers once: the layer rule, orthonormality, convolutional similarity, MHE."""
+
+import pytest
+import torch
+
+from sphereml import models
+from sphereml.convsim import conv_similarity
+from sphereml.energy import hyperspherical_energy as E
+from sphereml.margins import ASoftmaxLoss
+from sphereml.models import Classifier, ConvNet
+from sphereml.regularizers import (
+    MHE,
+    ConvSimilarity,
+    Orthonormality,
+    iterative_initialization,
+    model_similarity,
+    orthonormality_penalty,
+    output_layer,
+    select_layers,
+)
+from sphereml.sphereconv import SphereConv2d, SphereLinear
+from sphereml.train import fit
+
+F64 = torch.float64
+
+
+def _net(head=None):
+    torch.manual_seed(0)
+    return Classifier(ConvNet(1, 8, widths=(4, 6)), 10, head=head)
+
+
+# ---------------------------------------------------------------- the layer rule
+
+def test_select_layers_rule():
+    net = _net()
+    convs = [m for m in net.modules() if isinstance(m, torch.nn.Conv2d)]
+    feature, head = net.backbone.feature, net.head
+    assert output_layer(net) is head
+    assert select_layers(net) == convs + [feature, head]
+    assert select_layers(net, include_output=False) == convs + [feature]
+    assert select_layers(net, ("conv",)) == convs
+    assert select_layers(net, ("linear",), include_output=False) == [feature]
+    margin = _net(head=ASoftmaxLoss(8, 10))
+    assert output_layer(margin) is margin.head and select_layers(margin)[-1] is margin.head  # a head is "linear"
+    resnet = models.resnet18()
+    assert output_layer(resnet) is resnet.classifier and len(select_layers(resnet, ("conv",))) == 20
+    assert output_layer(torch.nn.Conv2d(1, 2, 3)) is None
+    with pytest.raises(ValueError, match="kind must be one of"):
+        select_layers(net, ("attention",))
+
+
+def test_sphere_layers_are_selected_like_the_layers_they_replace():
+    net = models.spherenet(9, angular="sigmoid", k=0.3, widths=(4, 6, 8), in_channels=1, image_size=28,
+                           feature_dim=16, sphere_fc=True)
+    convs = select_layers(net, ("conv",))
+    assert len(convs) == 9 and all(isinstance(m, SphereConv2d) for m in convs)
+    assert isinstance(select_layers(net, ("linear",))[0], SphereLinear)
+    reg = Orthonormality(net, beta=1.0)
+    torch.testing.assert_close(reg(), sum(orthonormality_penalty(m.weight) for m in convs))
+
+
+# ---------------------------------------------------------------- orthonormality and convolutional similarity
+
+def test_orthonormality_and_conv_similarity_on_a_model():
+    model = ConvNet(1, 8, widths=(4, 6))
+    convs = [m for m in model.modules() if isinstance(m, torch.nn.Conv2d)]
+    reg = ConvSimilarity(model, beta=0.5)
+    torch.testing.assert_close(reg(), 0.5 * sum(conv_similarity(m.weight) for m in convs))
+    torch.testing.assert_close(model_similarity(model), reg.penalty())
+    ortho = Orthonormality(model, beta=2.0, include_linear=True)
+    assert ortho.layers == convs + [model.feature]
+    torch.testing.assert_close(ortho(), 2.0 * sum(orthonormality_penalty(m.weight) for m in ortho.layers))
+    q, _ = torch.linalg.qr(torch.randn(9, 4, dtype=F64))
+    assert float(orthonormality_penalty(q.T.reshape(4, 1, 3, 3))) < 1e-20
+
+
+def test_a_regulariser_follows_the_weights_it_was_bound_to():
+    model = ConvNet(1, 8, widths=(4, 6))
+    reg = Orthonormality(model, beta=1.0)
+    before = float(reg().detach())
+    with torch.no_grad():
+        for m in reg.layers:
+            m.weight.mul_(2.0)
+    assert float(reg().detach()) != pytest.approx(before)
+
+
+def test_fit_adds_the_regulariser_every_step():
+    g = torch.Generator().manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.rand(32, 1, 28, 28, generator=g), torch.randint(10, (32,), generator=g))
+    model = _net()
+    reg = MHE(model, s=2.0, lambda_hidden=1.0, lambda_output=1.0)
+    history = fit(model, data, epochs=1, batch_size=16, regularizer=reg, device="cpu", progress=False)
+    assert history.epochs[0]["reg"] > 0
+
+
+def test_iterative_initialization_lowers_loss_and_shrinks_kernels():
+    torch.manual_seed(0)
+    model = ConvNet(1, 8, widths=(4, 6))
+    history = iterative_initialization(model, steps=30, lr=1e-2)
+    assert len(history["loss"]) == 31
+    assert history["loss"][-1] < 0.5 * history["loss"][0]
+    assert history["squared_norm"][-1] < history["squared_norm"][0]
+    torch.testing.assert_close(torch.tensor(history["loss"][-1]), model_similarity(model).detach(),
+                               rtol=1e-5, atol=1e-7)
+
+
+# ---------------------------------------------------------------- MHE
+
+def test_mhe_regulariser_sums_layer_energies():
+    model = _net()
+    reg = MHE(model, s=1.0, half_space=True, lambda_hidden=0.5, lambda_output=2.0)
+    convs = [m for m in model.modules() if isinstance(m, torch.nn.Conv2d)]
+    expected = 0.5 * sum(E(m.weight, s=1.0, half_space=True) for m in convs + [model.backbone.feature])
+    expected = expected + 2.0 * E(model.head.weight, s=1.0)  # output layer: full space
+    torch.testing.assert_close(reg(), expected)
+    assert reg.output is model.head and len(reg.hidden) == 3
+    hidden = reg.energies()["hidden"]
+    assert reg.mean_hidden_energy() == pytest.approx(float(sum(hidden).detach()) / 3)
+    assert "hidden_layers=3" in repr(reg)
+
+
+def test_mhe_skips_one_neuron_layers_and_a_zero_output_weight():
+    net = torch.nn.Sequential(torch.nn.Linear(3, 5), torch.nn.ReLU(), torch.nn.Linear(5, 1))
+    reg = MHE(net, lambda_output=1.0)
+    assert reg.output is None and reg.hidden == [net[0]]  # the 1-neuron output layer has no pairs
+    assert MHE(_net(), lambda_output=0.0).output is None
+
+
+# ---------------------------------------------------------------- bad input
+
+@pytest.mark.parametrize("call,message", [
+    (lambda: ConvSimilarity(ConvNet(1, 2, widths=(2,)), beta=-1.0), "beta must be a finite number >= 0"),
+    (lambda: ConvSimilarity(torch.nn.Linear(2, 2)), "no layer of kind"),
+    (lambda: Orthonormality(torch.nn.Linear(2, 2)), "no layer of kind"),
+    (lambda: Orthonormality(ConvNet(1, 2, widths=(2,)), beta=float("inf")), "beta must be a finite number"),
+    (lambda: iterative_initialization(torch.nn.Linear(2, 2), steps=1), "no layer of kind"),
+    (lambda: iterative_initialization(ConvNet(1, 2, widths=(2,)), steps=-1), "steps must be an integer >= 0"),
+    (lambda: iterative_initialization(ConvNet(1, 2, widths=(2,)), steps=True), "steps must be an integer >= 0"),
+    (lambda: MHE(torch.nn.Linear(3, 1), lambda_output=0.0), "no layer with at least 2 neurons"),
+    (lambda: MHE(ConvNet(1, 4, widths=(4,)), lambda_hidden=-1.0), "lambda_hidden must be a finite number >= 0"),
+    (lambda: MHE(ConvNet(1, 4, widths=(4,)), metric="cosine"), "metric must be one of"),
+    (lambda: MHE(ConvNet(1, 4, widths=(4,)), s=-1.0), "s must be a finite number >= 0"),
+    (lambda: orthonormality_penalty(torch.randn(3)), "output axis"),
+])
+def test_bad_arguments(call, message):
+    with pytest.raises(ValueError, match=message):
+        call()
