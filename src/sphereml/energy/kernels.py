@@ -29,18 +29,18 @@ Note [close pairs]
     float32: up to 5e-7 (CPU, random rows, d = 3 ... 512), 7e-7 for duplicated rows, 2.4e-7
     on an H200 -- more than the floor eps = 1e-7 and half the squared chord 1e-6 of two
     neurons at chord 1e-3.  With TF32 products (10-bit mantissa, unit roundoff u = 2^-11)
-    |Delta| <= 4 u (||q_i||^2 + ||q_j||^2) / 2 = 2e-3; emulated on the CPU: up to 1.3e-3 at
+    abs(Delta) <= 4 u (||q_i||^2 + ||q_j||^2) / 2 = 2e-3; emulated on the CPU: up to 1.3e-3 at
     d = 3, 3.9e-4 at d = 64, 1.1e-4 at d = 512 (TF32x3 behaves like float32; all numbers in
     ``gram_error_emulated`` of benchmarks/results/energy_fwd_bwd-cpu.json).  Every backend
-    therefore
-    (1) estimates r^2 from the Gram matrix for all pairs;
-    (2) calls a pair *close* when the estimate is below ``CLOSE_R2 (||q_i||^2 + ||q_j||^2) / 2``
-        (r^2 < 0.05, an angle below 12.8 degrees, for unit points) and recomputes its r^2 as
-        ||q_i - q_j||^2 from the coordinate differences, which are exact for nearby floats
-        (Sterbenz), so its relative error is a few float32 roundings in every matmul precision;
-    (3) forms a close pair's gradient D_ij (q_j - q_i) from that explicit difference, never as
-        (D Q)_i - rowsum(D)_i q_i, which cancels catastrophically (relative error ~ u / r)
-        when one huge D_ij dominates the row.
+    therefore (1) estimates r^2 from the Gram matrix for all pairs; (2) calls a pair *close*
+    when the estimate is below ``CLOSE_R2 (||q_i||^2 + ||q_j||^2) / 2`` (r^2 < 0.05, an angle
+    below 12.8 degrees, for unit points) and recomputes its r^2 as ||q_i - q_j||^2 from the
+    coordinate differences, which are exact for nearby floats (Sterbenz), so its relative
+    error is a few float32 roundings in every matmul precision; (3) forms a close pair's
+    gradient D_ij (q_j - q_i) from that explicit difference, never as
+    (D Q)_i - rowsum(D)_i q_i, which cancels catastrophically (relative error ~ u / r) when
+    one huge D_ij dominates the row.
+
     Why 0.05: it is 25 times the TF32 error bound and 1e5 times the float32 error, so no pair
     with r^2 < 0.048 escapes detection in any precision, and a pair left to the Gram
     estimate has a relative error of r^2 below Delta / 0.05 (float32: 1e-5, emulated 4e-6;
