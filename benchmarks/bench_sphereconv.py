@@ -13,13 +13,11 @@ neighbours) and under bfloat16 autocast.
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
 from sphereml.sphereconv import SphereConv2d, sphere_conv2d_reference
 
-from .harness import compare
+from .harness import compare, forward_backward
 
 K = 3
 CPU_SIZES = [(32, 64, 32)]  # (batch, channels, side)
@@ -40,25 +38,15 @@ def _candidates(size, device: torch.device, dtype: torch.dtype | None) -> dict:
     x = torch.randn(b, c, side, side, generator=g).to(device).requires_grad_(True)
     target = torch.randn(b, c, side, side, generator=g).to(device)
     conv = torch.nn.Conv2d(c, c, K, padding=1, bias=False).to(device)
-    cast = (lambda: torch.autocast(device.type, dtype=dtype)) if dtype is not None else contextlib.nullcontext
-
-    def step(forward):
-        x.grad = None
-        with cast():
-            out = forward()
-        (out.float() * target).sum().backward()
-
-    candidates = {"nn.Conv2d": lambda: step(lambda: conv(x))}
+    operators = {"nn.Conv2d": conv}
     for label, layer in _layers(c, device).items():
         if dtype is None or "cosine" in label:
-            candidates[label] = lambda m=layer: step(lambda: m(x))
+            operators[label] = layer
         if device.type == "cuda" and size == COMPILED_SIZE and (dtype is None or "cosine" in label):
-            compiled = torch.compile(layer)
-            candidates[f"{label} (compiled)"] = lambda m=compiled: step(lambda: m(x))
+            operators[f"{label} (compiled)"] = torch.compile(layer)
     if dtype is None:
-        port_style = lambda: sphere_conv2d_reference(x, conv.weight, padding=1)  # noqa: E731
-        candidates["unfold cosine (port style)"] = lambda: step(port_style)
-    return candidates
+        operators["unfold cosine (port style)"] = lambda inp: sphere_conv2d_reference(inp, conv.weight, padding=1)
+    return forward_backward(operators, x, target, dtype)
 
 
 def run(device: torch.device) -> dict:

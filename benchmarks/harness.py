@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Callable
 
@@ -10,7 +11,7 @@ import torch
 from sphereml.timing import compare as compare_round_robin
 from sphereml.timing import device_name, environment, save_result
 
-__all__ = ["RESULTS", "compare", "device_name", "environment", "save"]
+__all__ = ["RESULTS", "compare", "device_name", "environment", "save", "forward_backward"]
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -29,3 +30,21 @@ def compare(name: str, candidates: dict[str, Callable[[], object]], baseline: st
         print(f"{name:30s} {line}")
     save(result, name, device)
     return result
+
+
+def forward_backward(operators: dict[str, Callable], x: torch.Tensor, target: torch.Tensor,
+                     dtype: torch.dtype | None = None) -> dict[str, Callable[[], None]]:
+    """One forward + backward step per operator (label -> ``op(x)``): the candidates of a layer benchmark.
+
+    Each step clears ``x.grad``, runs ``op(x)`` (under autocast to ``dtype`` when given) and back-propagates
+    ``sum(op(x) * target)``, the same work for every candidate.
+    """
+    cast = (lambda: torch.autocast(x.device.type, dtype=dtype)) if dtype is not None else contextlib.nullcontext
+
+    def step(op):
+        x.grad = None
+        with cast():
+            out = op(x)
+        (out.float() * target).sum().backward()
+
+    return {label: (lambda op=op: step(op)) for label, op in operators.items()}

@@ -151,3 +151,20 @@ def test_classifier_loss_is_cross_entropy_for_a_plain_head():
     torch.testing.assert_close(logits, model(x))
     torch.testing.assert_close(loss, torch.nn.functional.cross_entropy(model(x), y))
 
+
+
+def test_scs_net_is_rohrer100k_and_swaps_operators():
+    from sphereml.scs import MaxAbsPool2d, SharpenedCosineSimilarity2d
+
+    net = Classifier(models.scs_net(), 10, bias=True)
+    assert 113_000 < sum(p.numel() for p in net.parameters()) < 115_000  # about the paper's "100K"
+    assert net(torch.randn(2, 3, 32, 32)).shape == (2, 10)
+    layers = list(net.backbone.body)
+    assert sum(isinstance(m, SharpenedCosineSimilarity2d) for m in layers) == 3
+    assert sum(isinstance(m, MaxAbsPool2d) for m in layers) == 3 and not any(isinstance(m, nn.ReLU) for m in layers)
+    conv = models.scs_net((8, 16), in_channels=1, image_size=28, conv_layer="conv", act_layer="relu",
+                          pool_layer="maxpool")
+    assert conv.feature_dim == 16 * 7 * 7 and conv(torch.randn(2, 1, 28, 28)).shape == (2, 16 * 7 * 7)
+    assert sum(isinstance(m, nn.Conv2d) and not isinstance(m, SharpenedCosineSimilarity2d) for m in conv.modules()) == 2
+    fixed = models.scs_net((4,), in_channels=1, image_size=8, learnable=False, p=1.5)
+    assert fixed.body[0].p == 1.5 and not fixed.body[0].learnable

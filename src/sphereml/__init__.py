@@ -6,7 +6,9 @@ One concept per module:
 * :mod:`~sphereml.angular` — angular activations g(theta), stable arccos, their fused autograd nodes.
 * :mod:`~sphereml.margins` — margin heads: normalised, L-, A-, GA-, W-Softmax, CosFace, ArcFace.
 * :mod:`~sphereml.schedules` — the lambda schedule that phases a multiplicative margin in.
+* :mod:`~sphereml.patches` — every receptive field's norm and its cosine to every kernel, by convolution.
 * :mod:`~sphereml.sphereconv` — SphereConv2d, SphereLinear, SphereNorm and the unfold reference.
+* :mod:`~sphereml.scs` — sharpened cosine similarity, max-abs pooling and the unfold reference.
 * :mod:`~sphereml.energy` — hyperspherical energy with dense, tiled and Triton backends.
 * :mod:`~sphereml.convsim` — convolutional similarity of kernels (pure tensor math).
 * :mod:`~sphereml.regularizers` — regularisers bound to a model's layers once: orthonormality,
@@ -15,22 +17,23 @@ One concept per module:
 * :mod:`~sphereml.data` — Fashion-MNIST, digits, CIFAR-10/100, synthetic sphere data.
 * :mod:`~sphereml.train` — ``fit`` / ``evaluate``: seeding, devices, history, checkpoints, callbacks.
 * :mod:`~sphereml.metrics` — accuracy, angular hardness and Fisher score, verification.
+* :mod:`~sphereml.attacks` — FGSM and PGD in the L-infinity ball, accuracy under attack.
 * :mod:`~sphereml.timing` — round-robin timing with ratios to a baseline.
 * :mod:`~sphereml.viz` — the book's plotting style and helpers.
 * :mod:`~sphereml.chapter` — the chapter runtime: profiles, figures, metrics, claim records.
 * ``sphereml.book`` — the papermill runner (``python -m sphereml.book``); not imported here.
 """
 
-from . import (angular, chapter, convsim, data, energy, geometry, margins, metrics, models, regularizers, schedules,
-               sphereconv, timing, train, viz)
+from . import (angular, attacks, chapter, convsim, data, energy, geometry, margins, metrics, models, patches,
+               regularizers, schedules, scs, sphereconv, timing, train, viz)
 from .geometry import angle_matrix, cosine_matrix, normalize, safe_angle, sample_sphere
 from .train import evaluate, fit, resolve_device, seed_everything
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "angular", "chapter", "convsim", "data", "energy", "geometry", "margins", "metrics", "models", "regularizers",
-    "schedules", "sphereconv", "timing", "train", "viz",
+    "angular", "attacks", "chapter", "convsim", "data", "energy", "geometry", "margins", "metrics", "models",
+    "patches", "regularizers", "schedules", "scs", "sphereconv", "timing", "train", "viz",
     "normalize", "cosine_matrix", "safe_angle", "angle_matrix", "sample_sphere",
     "fit", "evaluate", "resolve_device", "seed_everything", "__version__",
 ]

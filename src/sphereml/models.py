@@ -20,11 +20,12 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ._checks import integer
+from .scs import MaxAbsPool2d, SharpenedCosineSimilarity2d
 from .sphereconv import SphereConv2d, SphereLinear
 
 __all__ = [
     "LayerType", "get_layer", "ConvNet", "MLP", "Classifier", "ConvAutoencoder", "BlockCNN",
-    "ResNet", "resnet18", "plain_cnn", "spherenet", "resnet", "sphere_resnet",
+    "ResNet", "resnet18", "plain_cnn", "spherenet", "resnet", "sphere_resnet", "scs_net",
 ]
 
 LayerType = Union[str, Callable[..., nn.Module], None]
@@ -39,6 +40,9 @@ _REGISTRY: dict[str, Callable[..., nn.Module]] = {
     "batchnorm1d": nn.BatchNorm1d,
     "leakyrelu": partial(nn.LeakyReLU, 0.2),
     "identity": nn.Identity,
+    "scs": SharpenedCosineSimilarity2d,
+    "maxpool": nn.MaxPool2d,
+    "maxabspool": MaxAbsPool2d,
 }
 
 
@@ -56,11 +60,12 @@ def get_layer(layer: LayerType, default: str) -> Callable[..., nn.Module]:
 
 
 class ConvNet(nn.Module):
-    """Plain CNN: stages of [conv 3x3 -> norm -> act] x ``depth`` then 2x2 max-pool, then a linear feature layer.
+    """Plain CNN: stages of [conv 3x3 -> norm -> act] x ``depth`` then a 2x2 pool, then a linear feature layer.
 
     Args:
         in_channels (int): image channels.
-        feature_dim (int): size of the output feature (2 or 3 for the visualisation chapters).
+        feature_dim (int or None): size of the output feature (2 or 3 for the visualisation chapters);
+            None: no feature layer, the flattened last stage is the feature (as in Rohrer's SCS nets).
         widths (tuple[int]): channels of each stage. Default: (32, 64).
         depth (int): conv layers per stage. Default: 1.
         image_size (int): input height = width, used to size the feature layer. Default: 28.
@@ -68,6 +73,8 @@ class ConvNet(nn.Module):
             ``norm_layer`` defaults to ``"identity"`` (no normalisation).
         feature_act (bool): apply ``act_layer`` after the feature layer. Keep False for
             2-D features, or they stay in the first quadrant (thesis App. A.1). Default: False.
+        pool_layer: the 2x2 pooling after each stage, ``"maxpool"`` (default) or ``"maxabspool"``
+            (:class:`~sphereml.scs.MaxAbsPool2d`), called with the kernel size 2.
     """
 
     def __init__(
@@ -82,9 +89,11 @@ class ConvNet(nn.Module):
         act_layer: LayerType = None,
         norm_layer: LayerType = None,
         feature_act: bool = False,
+        pool_layer: LayerType = None,
     ):
         super().__init__()
-        integer("feature_dim", feature_dim, at_least=1)
+        if feature_dim is not None:
+            integer("feature_dim", feature_dim, at_least=1)
         integer("depth", depth, at_least=1)
         if not widths:
             raise ValueError(f"widths must name at least one stage, got {widths!r}")
@@ -94,18 +103,20 @@ class ConvNet(nn.Module):
         linear = get_layer(linear_layer, "linear")
         act = get_layer(act_layer, "relu")
         norm = get_layer(norm_layer, "identity")
+        pool = get_layer(pool_layer, "maxpool")
         layers: list[nn.Module] = []
         channels = in_channels
         for width in widths:
             for _ in range(depth):
                 layers += [conv(channels, width, 3, padding=1), norm(width), act()]
                 channels = width
-            layers.append(nn.MaxPool2d(2))
+            layers.append(pool(2))
         self.body = nn.Sequential(*layers)
-        side = image_size // 2 ** len(widths)  # each max-pool floors: 28 -> 14 -> 7 -> 3
-        self.feature = linear(channels * side * side, feature_dim)
-        self.feature_act = act() if feature_act else nn.Identity()
-        self.feature_dim = feature_dim
+        side = image_size // 2 ** len(widths)  # each pool floors: 28 -> 14 -> 7 -> 3
+        flat = channels * side * side
+        self.feature = linear(flat, feature_dim) if feature_dim is not None else nn.Identity()
+        self.feature_act = act() if feature_act and feature_dim is not None else nn.Identity()
+        self.feature_dim = feature_dim if feature_dim is not None else flat
 
     def forward(self, x: Tensor) -> Tensor:
         h = self.body(x)  # (B, C, H', W')
@@ -395,3 +406,20 @@ def sphere_resnet(depth: int = 32, angular: str = "cosine", k: float = 0.5, lear
     """
     conv = _sphere_layers(angular, k, learnable_k)["conv_layer"]
     return resnet(depth, conv_layer=conv, shortcut_layer=None if sphere_shortcut else "conv", **kwargs)
+
+
+def scs_net(widths: tuple[int, ...] = (32, 64, 128), in_channels: int = 3, image_size: int = 32, p: float = 2.0,
+            q: float = 1e-3, learnable: bool = True, act_layer: LayerType = "identity",
+            pool_layer: LayerType = "maxabspool", conv_layer: LayerType = None) -> ConvNet:
+    """A Rohrer-style SCS network (the SCS paper's "Rohrer100K", Sec. 3.1): one 3x3 sharpened-cosine layer
+    per stage, each followed by a 2x2 max-abs pool, no normalisation and no activation, and the flattened
+    last stage as the feature (wrap it in a :class:`Classifier` for the linear classifier).
+
+    (32, 64, 128) on 32x32 CIFAR images gives about 114K parameters with the classifier (the gallery file the
+    paper most likely used; the paper gives no layer list).  ``conv_layer="conv"`` (or any other operator)
+    builds the matching baseline with the same shape; ``act_layer`` and ``pool_layer`` give the paper's
+    {ReLU, none} x {MaxPool, MaxAbsPool} grid.
+    """
+    conv = conv_layer if conv_layer is not None else partial(SharpenedCosineSimilarity2d, p=p, q=q, learnable=learnable)
+    return ConvNet(in_channels, None, tuple(widths), 1, image_size, conv_layer=conv, act_layer=act_layer,
+                   pool_layer=pool_layer)

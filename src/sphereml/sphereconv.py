@@ -9,24 +9,10 @@ where x is the *whole* receptive field (C_in / groups x k_h x k_w values at one 
 position, zero padding included) and g is one of the decreasing angular activations of
 :mod:`sphereml.angular` (linear, cosine, sigmoid; eqs. 3.2-3.4).
 The readable definition, patch by patch with ``unfold``, is :func:`sphere_conv2d_reference`; the
-layers compute the same values with one ordinary convolution (Note [patch norm by convolution]).
-
-Note [patch norm by convolution]
-    ||x|| for every output position is a convolution of x^2 with a kernel of ones over
-    the same window (same stride, padding, dilation and groups).  We sum x^2 over the
-    channels of each group first and then convolve with a ones *spatial* kernel, one
-    output channel per group (a depthwise convolution): the same sums, at 1 / C_out of
-    the main convolution's cost.  The cosine is then conv(x, w / ||w||) / ||x||, so the
-    layer costs one ordinary convolution plus a few elementwise passes; nothing is
-    unfolded.
-
-Note [zero patch]
-    A patch with ||x|| < eps (zero padding on a blank background, a dead ReLU region)
-    has its norm floored at eps.  Its inner product is 0, so cos = 0, theta = pi/2 and
-    every g gives 0, with finite gradients (d/dx is w_hat / eps; the floor is applied
-    to ||x||^2 before the square root, whose derivative at 0 would be infinite).
-    Above eps the layer is exactly invariant to rescaling the patch.  This sensitivity
-    of SphereConv to tiny patches is the one the decoupled-networks chapter criticises.
+layers compute the same values with one ordinary convolution (Note [patch norm by convolution] in
+:mod:`sphereml.patches`).  A zero patch outputs g(pi/2) = 0 with finite gradients (Note [zero patch]
+there); this sensitivity of SphereConv to tiny patches is the one the decoupled-networks chapter
+criticises.
 
 Note [SphereConv on a GPU]
     Eager, the layer is one cuDNN convolution plus about ten small elementwise and reduction
@@ -50,6 +36,7 @@ from torch.nn.utils import parametrize
 from ._checks import integer, real_number
 from .angular import angular_activation, check_angular
 from .geometry import normalize
+from .patches import check_padding, output_size, pair, patch_cosine2d
 
 __all__ = [
     "sphere_cosine2d", "sphere_conv2d", "sphere_conv2d_reference", "sphere_linear", "SphereConv2d", "SphereLinear",
@@ -57,112 +44,16 @@ __all__ = [
 ]
 
 
-def _pair(value, name: str, minimum: int) -> tuple[int, int]:
-    if isinstance(value, int):
-        pair = (value, value)
-    else:
-        pair = tuple(value) if isinstance(value, (tuple, list)) else ()
-    if len(pair) != 2 or any(isinstance(v, bool) or not isinstance(v, int) or v < minimum for v in pair):
-        raise ValueError(f"{name} must be an integer >= {minimum} or a pair of them, got {value!r}")
-    return pair
-
-
-def _check_padding(padding) -> str | tuple[int, int]:
-    if isinstance(padding, str):
-        if padding not in ("valid", "same"):
-            raise ValueError(f"padding must be 'valid', 'same', an integer >= 0 or a pair, got {padding!r}")
-        return padding
-    return _pair(padding, "padding", 0)
-
-
-def _explicit_padding(x: Tensor, padding, kernel_size, stride, dilation) -> tuple[Tensor, tuple[int, int]]:
-    """Turn ``'valid'`` / ``'same'`` into numbers (padding x first when 'same' is asymmetric)."""
-    padding = _check_padding(padding)
-    if not isinstance(padding, str):
-        return x, padding
-    if padding == "valid":
-        return x, (0, 0)
-    if stride != (1, 1):
-        raise ValueError(f"padding='same' needs stride 1, got stride {stride}")
-    total = [d * (k - 1) for d, k in zip(dilation, kernel_size)]  # (H, W); PyTorch puts the odd pixel last
-    pads = [total[1] // 2, total[1] - total[1] // 2, total[0] // 2, total[0] - total[0] // 2]
-    return F.pad(x, pads), (0, 0)
-
-
-class _DivideByPatchNorm(torch.autograd.Function):
-    """cos = clamp(inner / ||x_patch||, -1, 1) with the patch norm of Note [patch norm by convolution].
-
-    Forward: e = sum over each group's channels of x^2 (Tensor[B, G, H, W]), s = conv(e, ones)
-    over the layer's window, n = sqrt(max(s, eps^2)).  Backward, by hand, with g the incoming
-    gradient and j the output channels of a group:
-
-        d/d inner = g / n,    d/dn = -sum_j g_j inner_j / n^2,    d/ds = (d/dn) / 2n  (0 where s < eps^2),
-        d/dx = 2 x * conv_transpose(d/ds, ones).
-
-    The clamp only removes rounding (the inner product never exceeds the norm product) and
-    passes the gradient through.  Four elementwise passes over the B x C x H x W tensors
-    instead of autograd's eight: 1.46x -> 1.17x of ``nn.Conv2d`` forward + backward at 64
-    channels, 32x32, batch 32, in one A/B run on our 2-core CPU.  The norms are summed in float32 (x^2
-    overflows float16 above 256).
-    """
-
-    @staticmethod
-    def forward(ctx, inner: Tensor, x: Tensor, kernel_size, stride, padding, dilation, groups: int,
-                eps: float) -> Tensor:
-        b, c, h, w = x.shape
-        with torch.autocast(x.device.type, enabled=False):
-            xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
-            energy = xf.square().reshape(b, groups, c // groups, h, w).sum(2)  # (B, G, H, W)
-            ones = energy.new_ones(groups, 1, *kernel_size)
-            sq = F.conv2d(energy, ones, None, stride, padding, dilation, groups)  # (B, G, H', W')
-        norm = sq.clamp_min(eps * eps).sqrt_()
-        bo, co, ho, wo = inner.shape
-        cos = torch.empty_like(inner)  # written through a grouped view, returned as a fresh tensor (not a view)
-        grouped = (bo, groups, co // groups, ho, wo)
-        torch.div(inner.view(grouped), norm.unsqueeze(2), out=cos.view(grouped))
-        ctx.save_for_backward(inner, x, norm, sq)
-        ctx.conv = (kernel_size, stride, padding, dilation, groups, eps, energy.shape)
-        return cos.clamp_(-1.0, 1.0)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        inner, x, norm, sq = ctx.saved_tensors
-        kernel_size, stride, padding, dilation, groups, eps, energy_shape = ctx.conv
-        bo, co, ho, wo = inner.shape
-        g = grad.reshape(bo, groups, co // groups, ho, wo)
-        inv = norm.reciprocal()  # (B, G, H', W')
-        grad_inner = (g * inv.unsqueeze(2)).reshape(bo, co, ho, wo).to(inner.dtype)
-        grad_x = None
-        if ctx.needs_input_grad[1]:
-            # d/ds = (d/dn) / 2n = -sum_j g_j inner_j / (2 n^3), zero where the floor is active
-            grad_sq = (g * inner.reshape(g.shape)).sum(2).mul_(inv.pow(3)).mul_(-0.5).mul_(sq >= eps * eps)
-            ones = grad_sq.new_ones(groups, 1, *kernel_size)
-            grad_energy = torch.nn.grad.conv2d_input(energy_shape, ones, grad_sq, stride, padding, dilation, groups)
-            b, c, h, w = x.shape
-            grad_x = (x.reshape(b, groups, c // groups, h, w) * grad_energy.unsqueeze(2)).mul_(2.0)
-            grad_x = grad_x.reshape(b, c, h, w).to(x.dtype)
-        return grad_inner, grad_x, None, None, None, None, None, None
-
-
 def sphere_cosine2d(x: Tensor, weight: Tensor, stride=1, padding=0, dilation=1, groups: int = 1,
                     eps: float = 1e-6) -> Tensor:
     """cos(theta) between every kernel and every receptive-field patch (eq. 3.1, cosine g).
 
-    Args:
-        x (Tensor[B, C_in, H, W]): input.
-        weight (Tensor[C_out, C_in / groups, k_h, k_w]): kernels (any norm; only directions matter).
-        stride, padding, dilation, groups: as in :func:`torch.nn.functional.conv2d`.
-        eps (float): patch-norm floor, Note [zero patch]. Default: 1e-6.
+    See :func:`~sphereml.patches.patch_cosine2d` (with q = 0), and Note [zero patch] there.
 
     Returns:
         Tensor[B, C_out, H', W'] in [-1, 1].
     """
-    kernel_size = tuple(weight.shape[2:])
-    stride, dilation = _pair(stride, "stride", 1), _pair(dilation, "dilation", 1)
-    x, padding = _explicit_padding(x, padding, kernel_size, stride, dilation)
-    w_hat = normalize(weight.flatten(1), eps=eps).view_as(weight)
-    inner = F.conv2d(x, w_hat, None, stride, padding, dilation, groups)  # (B, C_out, H', W')
-    return _DivideByPatchNorm.apply(inner, x, kernel_size, stride, padding, dilation, groups, eps)
+    return patch_cosine2d(x, weight, stride, padding, dilation, groups, eps)
 
 
 def _add_bias(out: Tensor, bias: Tensor | None, dims: int) -> Tensor:
@@ -226,9 +117,8 @@ def sphere_conv2d_reference(x: Tensor, weight: Tensor, stride=1, padding=0, dila
         cos = torch.einsum("od,bdl->bol", ws, patches)
         cos = cos / (ws.norm(dim=1)[None, :, None] * patches.norm(dim=1)[:, None, :])
         outs.append(_printed_angular(cos, angular, k))  # (B, C_out/G, L)
-    stride, padding, dilation = _pair(stride, "stride", 1), _pair(padding, "padding", 0), _pair(dilation, "dilation", 1)
-    shape = [(size + 2 * p - d * (kk - 1) - 1) // s + 1
-             for size, p, d, kk, s in zip(x.shape[2:], padding, dilation, kernel, stride)]  # (H', W')
+    shape = output_size(x.shape[2:], kernel, pair(stride, "stride", 1), pair(padding, "padding", 0),
+                        pair(dilation, "dilation", 1))  # (H', W')
     return torch.cat(outs, 1).view(b, c_out, *shape)
 
 
@@ -302,7 +192,7 @@ class SphereConv2d(_SphereMixin, nn.Conv2d):
         k (float): sigmoid curvature > 0 (the initial value when learned). Default: 0.5.
         learnable_k (bool): learn one k per filter, kept above ``K_FLOOR`` = 1e-3 by a softplus
             parametrisation (learnable SphereConv, §3.2.5; needs ``angular="sigmoid"``). Default: False.
-        eps (float): patch-norm floor, see Note [zero patch]. Default: 1e-6.
+        eps (float): patch-norm floor, see Note [zero patch] in :mod:`sphereml.patches`. Default: 1e-6.
 
     The weight norm does not affect the output, so weight decay has no effect on it (§3.1);
     the layer is still an ``nn.Conv2d`` and the regularisers (orthonormality, MHE) find it.
@@ -316,9 +206,9 @@ class SphereConv2d(_SphereMixin, nn.Conv2d):
         if in_channels % groups or out_channels % groups:
             raise ValueError(f"in_channels ({in_channels}) and out_channels ({out_channels}) must be divisible "
                              f"by groups ({groups})")
-        kernel_size, stride, dilation = _pair(kernel_size, "kernel_size", 1), _pair(stride, "stride", 1), \
-            _pair(dilation, "dilation", 1)
-        padding = _check_padding(padding)
+        kernel_size, stride, dilation = pair(kernel_size, "kernel_size", 1), pair(stride, "stride", 1), \
+            pair(dilation, "dilation", 1)
+        padding = check_padding(padding)
         factory = {"device": device, "dtype": dtype}
         super().__init__(in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias,
                          padding_mode, **factory)

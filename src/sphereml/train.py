@@ -39,7 +39,7 @@ from ._checks import integer, real_number
 
 __all__ = [
     "seed_everything", "resolve_device", "fit", "evaluate", "collect_outputs",
-    "History", "StepState", "Tracker", "default_loss", "num_steps",
+    "History", "StepState", "Tracker", "default_loss", "num_steps", "batches",
 ]
 
 DEVICES = ("auto", "cpu", "cuda")
@@ -147,7 +147,12 @@ def default_loss(model: nn.Module, x: Tensor, y: Tensor) -> tuple[Tensor, Tensor
     return F.cross_entropy(logits, y), logits
 
 
-def _batches(data: Dataset, batch_size: int, shuffle: bool, generator: torch.Generator | None) -> Iterator:
+def batches(data: Dataset, batch_size: int, shuffle: bool = False,
+            generator: torch.Generator | None = None) -> Iterator:
+    """Tuples of tensors, ``batch_size`` samples each (the last may be smaller), in order or shuffled by ``generator``.
+
+    A TensorDataset is indexed directly (much faster than a DataLoader for in-memory data).
+    """
     if isinstance(data, TensorDataset):  # fast path: index the tensors directly
         n = len(data)
         order = torch.randperm(n, generator=generator) if shuffle else torch.arange(n)
@@ -264,7 +269,7 @@ def fit(
         losses, regs, sizes = [], [], []  # per-step tensors, read back once per epoch (one device sync)
         correct = torch.zeros((), dtype=torch.long, device=dev)
         logits = None
-        for batch in _batches(train_data, batch_size, True, order):
+        for batch in batches(train_data, batch_size, True, order):
             x, y = _to_device(batch, dev)
             loss, logits = loss_fn(model, x, y)
             reg = regularizer() if regularizer is not None else None
@@ -316,7 +321,7 @@ def collect_outputs(fn: Callable[[Tensor], Tensor], data: Dataset, batch_size: i
     """Apply ``fn`` (e.g. ``model.features``) to every input in order; returns (outputs, labels) on the CPU."""
     dev = resolve_device(device)
     outs, labels = [], []
-    for batch in _batches(data, batch_size, False, None):
+    for batch in batches(data, batch_size, False, None):
         x, y = _to_device(batch, dev)
         outs.append(fn(x).cpu())
         labels.append(y.cpu())
@@ -337,7 +342,7 @@ def evaluate(model: nn.Module, data: Dataset, *, batch_size: int = 512, device: 
     model.eval()
     total_loss, correct, seen = 0.0, 0, 0
     logits = None
-    for batch in _batches(data, batch_size, False, None):
+    for batch in batches(data, batch_size, False, None):
         x, y = _to_device(batch, dev)
         loss, logits = loss_fn(model, x, y)
         total_loss += float(loss) * len(y)

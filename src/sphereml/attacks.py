@@ -1,0 +1,114 @@
+"""White-box adversarial attacks in the L-infinity ball: FGSM and PGD, and accuracy under attack.
+
+FGSM (Goodfellow et al., 2015) takes one step of size eps along the sign of the input gradient of the
+loss; PGD (Madry et al., 2018) takes ``steps`` steps of ``step_size`` from a random start in the ball,
+projecting back onto the ball (and the valid pixel range) after each.  Both maximise the softmax
+cross-entropy of ``model(x)`` (the margin-free logits of a :class:`~sphereml.models.Classifier`).
+The decoupled-networks chapter (thesis App. C: eps = 8/255, step 2/255, 20 steps) and the sharpened
+cosine chapter (an eps sweep, as the paper's Sec. 4.5) use them.  The model's parameters get no
+gradient, and its train / eval mode is left as it was found (attack in eval mode).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils.data import Dataset
+
+from ._checks import integer, one_of, real_number
+from .train import batches
+
+__all__ = ["ATTACKS", "fgsm", "pgd", "robust_accuracy"]
+
+ATTACKS = ("fgsm", "pgd")
+
+
+def _input_gradient(model: nn.Module, x: Tensor, y: Tensor) -> Tensor:
+    x = x.detach().requires_grad_(True)
+    loss = F.cross_entropy(model(x), y)
+    (grad,) = torch.autograd.grad(loss, x)
+    return grad
+
+
+def _project(x_adv: Tensor, x: Tensor, eps: float, bounds: tuple[float, float]) -> Tensor:
+    """Back into the L-infinity ball of radius eps around x and into the pixel range."""
+    return torch.min(torch.max(x_adv, x - eps), x + eps).clamp_(*bounds)
+
+
+def fgsm(model: nn.Module, x: Tensor, y: Tensor, eps: float, bounds: tuple[float, float] = (0.0, 1.0)) -> Tensor:
+    """x + eps sign(grad_x loss), clipped to ``bounds``: the fast gradient sign method.
+
+    Args:
+        model (nn.Module): maps Tensor[B, ...] to logits Tensor[B, C].
+        x (Tensor[B, ...]), y (Tensor[B], int64): clean inputs and labels.
+        eps (float): radius of the L-infinity ball, >= 0.
+        bounds (tuple): valid input range. Default: (0, 1).
+
+    Returns:
+        Tensor like ``x`` (detached).
+    """
+    eps = real_number("eps", eps, at_least=0.0)
+    return _project(x + eps * _input_gradient(model, x, y).sign(), x, eps, bounds).detach()
+
+
+def pgd(model: nn.Module, x: Tensor, y: Tensor, eps: float, step_size: float | None = None, steps: int = 10,
+        random_start: bool = True, bounds: tuple[float, float] = (0.0, 1.0),
+        generator: torch.Generator | None = None) -> Tensor:
+    """Projected gradient descent on the loss, in the L-infinity ball of radius ``eps``.
+
+    Args:
+        model, x, y, eps, bounds: as in :func:`fgsm`.
+        step_size (float, optional): size of each signed step. Default: eps / 4.
+        steps (int): number of steps >= 1. Default: 10.
+        random_start (bool): start from a uniform point of the ball. Default: True.
+        generator (torch.Generator, optional): source of the random start (on the CPU).
+
+    Returns:
+        Tensor like ``x`` (detached).
+    """
+    eps = real_number("eps", eps, at_least=0.0)
+    step_size = eps / 4 if step_size is None else real_number("step_size", step_size, at_least=0.0)
+    integer("steps", steps, at_least=1)
+    x = x.detach()
+    x_adv = x.clone()
+    if random_start and eps > 0:
+        noise = torch.rand(x.shape, generator=generator, dtype=x.dtype).to(x.device) * (2 * eps) - eps
+        x_adv = _project(x + noise, x, eps, bounds)
+    for _ in range(steps):
+        x_adv = _project(x_adv + step_size * _input_gradient(model, x_adv, y).sign(), x, eps, bounds)
+    return x_adv.detach()
+
+
+def robust_accuracy(model: nn.Module, data: Dataset, eps_values, attack: str = "pgd", batch_size: int = 256,
+                    device: str | torch.device = "cpu", seed: int = 0, **attack_kwargs) -> dict[float, float]:
+    """Accuracy of ``model`` on ``data`` attacked at each radius in ``eps_values`` (eps = 0: clean accuracy).
+
+    The model is attacked and evaluated in eval mode (its previous mode is restored); PGD's random
+    starts are seeded by ``seed``.  Extra keyword arguments go to the attack (``steps``, ``step_size``).
+
+    Returns:
+        {eps: accuracy} in the order of ``eps_values``.
+    """
+    one_of("attack", attack, ATTACKS)
+    integer("batch_size", batch_size, at_least=1)
+    dev = torch.device(device)
+    was_training = model.training
+    model.eval()
+    generator = torch.Generator().manual_seed(seed)
+    correct = {float(eps): 0 for eps in eps_values}
+    seen = 0
+    for batch in batches(data, batch_size):
+        x, y = (t.to(dev) for t in batch)
+        for eps in correct:
+            if eps == 0:
+                x_eval = x
+            elif attack == "fgsm":
+                x_eval = fgsm(model, x, y, eps, **attack_kwargs)
+            else:
+                x_eval = pgd(model, x, y, eps, generator=generator, **attack_kwargs)
+            with torch.no_grad():
+                correct[eps] += int((model(x_eval).argmax(1) == y).sum())
+        seen += len(y)
+    model.train(was_training)
+    return {eps: c / max(seen, 1) for eps, c in correct.items()}

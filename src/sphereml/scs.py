@@ -1,0 +1,247 @@
+"""Sharpened cosine similarity and max-abs pooling (Wu et al., *Exploring the Sharpened Cosine Similarity*).
+
+The layer scores every receptive-field patch s against every kernel k by a cosine whose magnitude
+is raised to a power p (the paper's Sec. 1, after Rohrer):
+
+    SCS(s, k) = sign(c) |c|^p,    c = s . k / ((||s|| + q) ||k||),
+
+with s the *whole* patch (C_in / groups x k_h x k_w values, zero padding included), p > 0 the
+sharpening exponent (p > 1 sharpens: weak matches shrink faster than strong ones) and q >= 0 a
+damping added to the patch norm only, which sends faint patches towards 0.  |SCS| <= 1, its sign is
+that of s . k, and p = 1, q = 0 is the cosine of SphereConv (thesis eq. 3.3).  The layer is
+invariant to the scale of each kernel, so the gradient of any loss is perpendicular to every
+kernel, <dL/dk_j, k_j> = 0: under plain gradient descent kernel norms can only grow.  The readable
+definition is :func:`scs_conv2d_reference` (unfold); the layer computes c with one convolution
+(Note [patch norm by convolution] in :mod:`sphereml.patches`).
+
+Note [sharpening without NaN]
+    d|c|^p / dc = p |c|^(p-1) is infinite at c = 0 for p < 1, and d|c|^p / dp = |c|^p ln|c| is
+    0 * inf there.  :class:`_Sharpen` computes the exact value sign(c) |c|^p (so |out| <= 1 holds
+    exactly, unlike the upstream (|c| + 1e-6)^p) and takes the derivatives as p |c|^p / max(|c|, 1e-6)
+    and y ln max(|c|, 1e-6): exact for |c| >= 1e-6, finite at c = 0, at zero patches and at |c| = 1
+    in every dtype.  Reusing |c|^p keeps the layer at one ``pow``: 1.26x (fixed p) and 1.43x (learned
+    p and q) of ``nn.Conv2d`` forward + backward at B = 32, 64 channels, 32x32 on our 2-core CPU
+    (``benchmarks/bench_scs.py``), against 1.48x and 1.85x with the derivatives recomputed.
+
+Note [learnable p and q]
+    The paper learns p per kernel and does not say how p is parameterised.  The upstream code
+    used four variants in 2022 (``../shared/reference`` A.2); we offer two, chosen by ``p_param``:
+    ``"exp"`` (default, Rohrer's April 2022 form): p = exp(theta), always positive with smooth
+    gradients; ``"raw"`` (the May 2022 form): p = theta clamped at P_MIN = 0.1, whose gradient
+    vanishes while the clamp is active.  q is one value per layer, q = exp(theta_q) (May 2022), so
+    q > 0.  Initial values are the constructor's ``p`` and ``q`` (upstream draws p0 ~ U(1, 3)).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.nn.utils import parametrize
+
+from ._checks import integer, one_of, real_number
+from .patches import check_padding, output_size, pair, patch_cosine2d
+
+__all__ = ["P_PARAMS", "P_MIN", "sharpen", "scs_conv2d", "scs_conv2d_reference", "SharpenedCosineSimilarity2d",
+           "max_abs_pool2d", "MaxAbsPool2d"]
+
+P_PARAMS = ("exp", "raw")
+P_MIN = 0.1  # the floor of the "raw" parameterisation of p (upstream, May 2022)
+_GRAD_FLOOR = 1e-6  # Note [sharpening without NaN]
+
+
+class _Sharpen(torch.autograd.Function):
+    """sign(c) |c|^p with p a number or a tensor broadcast against c, in one autograd node.
+
+    Forward computes y = sign(c) |c|^p exactly.  Backward (Note [sharpening without NaN]) reuses
+    |c|^p: dy/dc = p |c|^p / max(|c|, 1e-6) and dy/dp = y ln max(|c|, 1e-6) (summed over the broadcast
+    axes), exact for |c| >= 1e-6 and finite below; one ``pow`` in all, as for plain autograd's forward.
+    """
+
+    @staticmethod
+    def forward(ctx, c: Tensor, p: float | Tensor) -> Tensor:
+        powered = c.abs().pow(p)  # |c|^p
+        ctx.save_for_backward(c, powered, p if isinstance(p, Tensor) else None)
+        ctx.p = p if not isinstance(p, Tensor) else None
+        return powered * torch.sign(c)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        c, powered, p_tensor = ctx.saved_tensors
+        p = p_tensor if p_tensor is not None else ctx.p
+        floored = c.abs().clamp_min_(_GRAD_FLOOR)
+        grad_c = grad_p = None
+        if ctx.needs_input_grad[0]:
+            grad_c = (powered / floored).mul_(grad).mul_(p)
+        if p_tensor is not None and ctx.needs_input_grad[1]:
+            grad_p = floored.log_().mul_(powered).mul_(torch.sign(c)).mul_(grad).sum_to_size(p_tensor.shape)
+        return grad_c, grad_p
+
+
+def sharpen(c: Tensor, p: float | Tensor) -> Tensor:
+    """sign(c) |c|^p: the sharpening of the paper's Sec. 1, finite gradients at c = 0.
+
+    Args:
+        c (Tensor): cosines (any shape).
+        p (float or Tensor): exponent > 0, broadcast against ``c`` (a tensor gets a gradient).
+    """
+    if not isinstance(p, Tensor):
+        p = real_number("p", p, above=0.0)
+    return _Sharpen.apply(c, p)
+
+
+def scs_conv2d(x: Tensor, weight: Tensor, p: float | Tensor = 2.0, q: float | Tensor = 1e-3, stride=1, padding=0,
+               dilation=1, groups: int = 1, eps: float = 1e-6) -> Tensor:
+    """Sharpened cosine similarity of every kernel and every patch (the paper's Sec. 1), by convolution.
+
+    Args:
+        x (Tensor[B, C_in, H, W]): input.
+        weight (Tensor[C_out, C_in / groups, k_h, k_w]): kernels k (only their directions matter).
+        p (float or Tensor[C_out, 1, 1]): sharpening exponent(s) > 0. Default: 2.
+        q (float or 0-dim Tensor): damping >= 0 added to the patch norm. Default: 1e-3.
+        stride, padding, dilation, groups: as in :func:`torch.nn.functional.conv2d`.
+        eps (float): floor of the patch norm and of the kernel norms (zero patches give 0).
+
+    Returns:
+        Tensor[B, C_out, H', W'] in [-1, 1].
+    """
+    if not isinstance(q, Tensor):
+        q = real_number("q", q, at_least=0.0)
+    c = patch_cosine2d(x, weight, stride, padding, dilation, groups, eps, q)
+    return sharpen(c, p)
+
+
+def scs_conv2d_reference(x: Tensor, weight: Tensor, p: float | Tensor = 2.0, q: float = 1e-3, stride=1, padding=0,
+                         dilation=1, groups: int = 1) -> Tensor:
+    """The readable definition of :func:`scs_conv2d`, patch by patch with ``unfold`` (as public ports compute it).
+
+    Materialises a Tensor[B, C_in / groups * k_h * k_w, L] per group: for tests and benchmarks.  No
+    floors: a zero patch with q = 0 gives NaN here.  ``p`` may be a number or Tensor[C_out, 1, 1].
+    """
+    b, c_out, kernel = x.shape[0], weight.shape[0], tuple(weight.shape[2:])
+    p_flat = p.reshape(-1, 1) if isinstance(p, Tensor) else p  # (C_out, 1) or a number
+    outs = []
+    for g in range(groups):
+        xs = x[:, g * x.shape[1] // groups:(g + 1) * x.shape[1] // groups]
+        rows = slice(g * c_out // groups, (g + 1) * c_out // groups)
+        ks = weight[rows].flatten(1)  # (C_out/G, D)
+        patches = F.unfold(xs, kernel, dilation=dilation, padding=padding, stride=stride)  # (B, D, L)
+        dots = torch.einsum("od,bdl->bol", ks, patches)
+        cos = dots / ((patches.norm(dim=1)[:, None, :] + q) * ks.norm(dim=1)[None, :, None])
+        exponent = p_flat[rows] if isinstance(p_flat, Tensor) else p_flat
+        outs.append(torch.sign(cos) * cos.abs() ** exponent)  # (B, C_out/G, L)
+    shape = output_size(x.shape[2:], kernel, pair(stride, "stride", 1), pair(padding, "padding", 0),
+                        pair(dilation, "dilation", 1))
+    return torch.cat(outs, 1).view(b, c_out, *shape)
+
+
+class _ExpParam(nn.Module):
+    """theta -> exp(theta); ``right_inverse`` makes ``layer.p = value`` (and ``layer.q``) assignable."""
+
+    def forward(self, theta: Tensor) -> Tensor:
+        return theta.exp()
+
+    def right_inverse(self, value: Tensor) -> Tensor:
+        return value.log()
+
+
+class _ClampedParam(nn.Module):
+    """theta -> max(theta, P_MIN): the "raw" parameterisation of p (Note [learnable p and q])."""
+
+    def forward(self, theta: Tensor) -> Tensor:
+        return theta.clamp_min(P_MIN)
+
+    def right_inverse(self, value: Tensor) -> Tensor:
+        return value
+
+
+class SharpenedCosineSimilarity2d(nn.Conv2d):
+    """Drop-in ``nn.Conv2d`` computing sharpened cosine similarity (see :func:`scs_conv2d`).
+
+    Args:
+        in_channels, out_channels, kernel_size, stride, padding, dilation, groups: as in
+            :class:`torch.nn.Conv2d`.
+        bias (bool): add a learned bias after sharpening (the output is then no longer in [-1, 1]; the
+            paper's layers have none). Default: False.
+        p (float): sharpening exponent > 0 (the initial value when learned). Default: 2.
+        q (float): damping >= 0 of the patch norm (initial value when learned; > 0 then). Default: 1e-3.
+        learnable (bool): learn one p per output channel and one q per layer (Note [learnable p and q]).
+            Default: False.
+        p_param (str): ``"exp"`` or ``"raw"``, how a learned p is parameterised. Default: ``"exp"``.
+        eps (float): floor of patch and kernel norms. Default: 1e-6.
+    """
+
+    def __init__(self, in_channels: int, out_channels: int, kernel_size, stride=1, padding=0, dilation=1,
+                 groups: int = 1, bias: bool = False, p: float = 2.0, q: float = 1e-3, learnable: bool = False,
+                 p_param: str = "exp", eps: float = 1e-6, device=None, dtype=None):
+        for name, value in {"in_channels": in_channels, "out_channels": out_channels, "groups": groups}.items():
+            integer(name, value, at_least=1)
+        if in_channels % groups or out_channels % groups:
+            raise ValueError(f"in_channels ({in_channels}) and out_channels ({out_channels}) must be divisible "
+                             f"by groups ({groups})")
+        kernel_size, stride, dilation = pair(kernel_size, "kernel_size", 1), pair(stride, "stride", 1), \
+            pair(dilation, "dilation", 1)
+        super().__init__(in_channels, out_channels, kernel_size, stride, check_padding(padding), dilation, groups,
+                         bias, "zeros", device=device, dtype=dtype)
+        self.eps = real_number("eps", eps, above=0.0)
+        self.learnable = bool(learnable)
+        self.p_param = one_of("p_param", p_param, P_PARAMS)
+        p = real_number("p", p, above=P_MIN if (learnable and p_param == "raw") else 0.0)
+        q = real_number("q", q, above=0.0) if learnable else real_number("q", q, at_least=0.0)
+        factory = {"device": device, "dtype": dtype}
+        if self.learnable:
+            self.p = nn.Parameter(torch.full((out_channels,), p, **factory))
+            parametrize.register_parametrization(self, "p", _ExpParam() if p_param == "exp" else _ClampedParam())
+            self.q = nn.Parameter(torch.tensor(q, **factory))
+            parametrize.register_parametrization(self, "q", _ExpParam())
+        else:
+            self.p, self.q = p, q
+
+    def _p(self) -> float | Tensor:
+        return self.p.view(-1, 1, 1) if self.learnable else self.p  # (C_out, 1, 1) when learned
+
+    def cosine(self, x: Tensor) -> Tensor:
+        """c = s . k / ((||s|| + q) ||k||) for every kernel and patch, Tensor[B, C_out, H', W'] (before sharpening)."""
+        if x.dim() != 4 or x.shape[1] != self.in_channels:
+            raise ValueError(f"input must be Tensor[B, {self.in_channels}, H, W], got shape {tuple(x.shape)}")
+        return patch_cosine2d(x, self.weight, self.stride, self.padding, self.dilation, self.groups, self.eps, self.q)
+
+    def forward(self, x: Tensor) -> Tensor:
+        out = sharpen(self.cosine(x), self._p())
+        return out if self.bias is None else out + self.bias.view(-1, 1, 1)
+
+    def extra_repr(self) -> str:
+        text = super().extra_repr()
+        if self.learnable:
+            return text + f", learnable=True, p_param={self.p_param!r}"
+        return text + f", p={self.p:g}, q={self.q:g}"
+
+
+def max_abs_pool2d(x: Tensor, kernel_size, stride=None, padding=0) -> Tensor:
+    """The signed value of largest magnitude in every window (the paper's Sec. 2, after Pisoni).
+
+    A feature and its negative are the same SCS evidence with opposite sign, so the pooling keeps
+    whichever is larger in magnitude, with its sign; a tie between +a and -a gives +a, as upstream.
+    The gradient reaches the selected element only.
+    """
+    positive = F.max_pool2d(x, kernel_size, stride, padding)
+    negative = F.max_pool2d(-x, kernel_size, stride, padding)
+    return torch.where(positive >= negative, positive, -negative)
+
+
+class MaxAbsPool2d(nn.Module):
+    """See :func:`max_abs_pool2d`; the arguments are those of :class:`torch.nn.MaxPool2d`."""
+
+    def __init__(self, kernel_size, stride=None, padding=0):
+        super().__init__()
+        self.kernel_size = pair(kernel_size, "kernel_size", 1)
+        self.stride = pair(stride, "stride", 1) if stride is not None else self.kernel_size
+        self.padding = pair(padding, "padding", 0)
+        if any(2 * p > k for p, k in zip(self.padding, self.kernel_size)):
+            raise ValueError(f"padding must be at most half the kernel size, got {padding!r} for {kernel_size!r}")
+
+    def forward(self, x: Tensor) -> Tensor:
+        return max_abs_pool2d(x, self.kernel_size, self.stride, self.padding)
+
+    def extra_repr(self) -> str:
+        return f"kernel_size={self.kernel_size}, stride={self.stride}, padding={self.padding}"

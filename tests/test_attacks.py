@@ -1,0 +1,67 @@
+"""FGSM and PGD in the L-infinity ball: exact on a linear model, projections, accuracy under attack, bad input."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from sphereml.attacks import fgsm, pgd, robust_accuracy
+from sphereml.train import evaluate
+
+
+def _linear(seed=0):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(12, 2))
+    g = torch.Generator().manual_seed(seed)
+    x = torch.rand(64, 1, 3, 4, generator=g) * 0.6 + 0.2  # inside [0, 1] with room to move
+    y = model(x).argmax(1).detach()  # labels the model gets right
+    return model, x, y
+
+
+def test_fgsm_is_the_exact_worst_case_of_a_binary_linear_model():
+    """For two classes and a linear model the margin w_y.x - w_o.x falls fastest along -sign(w_y - w_o)."""
+    model, x, y = _linear()
+    w = model[1].weight.detach()  # (2, 12)
+    direction = (w[1 - y] - w[y]).sign().view_as(x)  # raises the other class's logit
+    eps = 0.05
+    torch.testing.assert_close(fgsm(model, x, y, eps), (x + eps * direction).clamp(0, 1))
+    one_step = pgd(model, x, y, eps, step_size=eps, steps=1, random_start=False)
+    torch.testing.assert_close(one_step, fgsm(model, x, y, eps))
+
+
+def test_pgd_stays_in_the_ball_and_the_pixel_range_and_raises_the_loss():
+    model, x, y = _linear(1)
+    for eps in (0.0, 0.01, 0.3):
+        x_adv = pgd(model, x, y, eps, steps=5, generator=torch.Generator().manual_seed(0))
+        assert float((x_adv - x).abs().max()) <= eps + 1e-7
+        assert float(x_adv.min()) >= 0.0 and float(x_adv.max()) <= 1.0
+        if eps > 0:
+            with torch.no_grad():
+                assert float(F.cross_entropy(model(x_adv), y)) > float(F.cross_entropy(model(x), y))
+    torch.testing.assert_close(pgd(model, x, y, 0.0), x)
+    assert all(p.grad is None for p in model.parameters())  # the attack leaves the parameters alone
+
+
+def test_robust_accuracy_starts_at_the_clean_accuracy_and_falls():
+    model, x, y = _linear(2)
+    data = torch.utils.data.TensorDataset(x, y)
+    model.train()
+    result = robust_accuracy(model, data, [0.0, 0.02, 0.1, 0.3], attack="fgsm", batch_size=16)
+    assert model.training  # mode restored
+    assert result[0.0] == pytest.approx(evaluate(model, data, device="cpu")["accuracy"]) == 1.0
+    values = list(result.values())
+    assert all(a >= b for a, b in zip(values, values[1:])) and values[-1] < 1.0
+    again = robust_accuracy(model, data, [0.1], attack="pgd", steps=3, seed=4)
+    assert again == robust_accuracy(model, data, [0.1], attack="pgd", steps=3, seed=4)  # seeded random starts
+
+
+@pytest.mark.parametrize("call,message", [
+    (lambda m, x, y: fgsm(m, x, y, -0.1), "eps must be a finite number >= 0"),
+    (lambda m, x, y: pgd(m, x, y, 0.1, steps=0), "steps must be an integer >= 1"),
+    (lambda m, x, y: pgd(m, x, y, 0.1, step_size=-1.0), "step_size must be a finite number >= 0"),
+    (lambda m, x, y: robust_accuracy(m, torch.utils.data.TensorDataset(x, y), [0.1], attack="cw"),
+     "attack must be one of"),
+])
+def test_bad_arguments(call, message):
+    model, x, y = _linear()
+    with pytest.raises(ValueError, match=message):
+        call(model, x, y)
