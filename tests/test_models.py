@@ -168,3 +168,15 @@ def test_scs_net_is_rohrer100k_and_swaps_operators():
     assert sum(isinstance(m, nn.Conv2d) and not isinstance(m, SharpenedCosineSimilarity2d) for m in conv.modules()) == 2
     fixed = models.scs_net((4,), in_channels=1, image_size=8, learnable=False, p=1.5)
     assert fixed.body[0].p == 1.5 and not fixed.body[0].learnable
+
+
+def test_resnet18_takes_sharpened_cosine_layers():
+    from functools import partial
+
+    from sphereml.scs import SharpenedCosineSimilarity2d
+
+    net = models.resnet18(conv_layer=partial(SharpenedCosineSimilarity2d, learnable=True), act_layer="identity")
+    scs = [m for m in net.modules() if isinstance(m, SharpenedCosineSimilarity2d)]
+    assert len(scs) == 20  # every convolution, the 1x1 shortcuts included
+    out = net(torch.randn(2, 3, 32, 32))
+    assert out.shape == (2, 10) and torch.isfinite(out).all()
