@@ -3,33 +3,36 @@
 The layer scores every receptive-field patch s against every kernel k by a cosine whose magnitude
 is raised to a power p (the paper's Sec. 1, after Rohrer):
 
-    SCS(s, k) = sign(c) |c|^p,    c = s . k / ((||s|| + q) ||k||),
+    SCS(s, k) = sign(c) abs(c)^p,    c = s . k / ((||s|| + q) ||k||),
 
 with s the *whole* patch (C_in / groups x k_h x k_w values, zero padding included), p > 0 the
 sharpening exponent (p > 1 sharpens: weak matches shrink faster than strong ones) and q >= 0 a
-damping added to the patch norm only, which sends faint patches towards 0.  |SCS| <= 1, its sign is
-that of s . k, and p = 1, q = 0 is the cosine of SphereConv (thesis eq. 3.3).  The layer is
+damping added to the patch norm only, which sends faint patches towards 0.  abs(SCS) <= 1, its
+sign is that of s . k, and p = 1, q = 0 is the cosine of SphereConv (thesis eq. 3.3).  The layer is
 invariant to the scale of each kernel, so the gradient of any loss is perpendicular to every
 kernel, <dL/dk_j, k_j> = 0: under plain gradient descent kernel norms can only grow.  The readable
 definition is :func:`scs_conv2d_reference` (unfold); the layer computes c with one convolution
 (Note [patch norm by convolution] in :mod:`sphereml.patches`).
 
 Note [sharpening without NaN]
-    d|c|^p / dc = p |c|^(p-1) is infinite at c = 0 for p < 1, and d|c|^p / dp = |c|^p ln|c| is
-    0 * inf there.  :class:`_Sharpen` computes the exact value sign(c) |c|^p (so |out| <= 1 holds
-    exactly, unlike the upstream (|c| + 1e-6)^p) and takes the derivatives as p |c|^p / max(|c|, 1e-6)
-    and y ln max(|c|, 1e-6): exact for |c| >= 1e-6, finite at c = 0, at zero patches and at |c| = 1
-    in every dtype.  Reusing |c|^p keeps the layer at one ``pow``: 1.26x (fixed p) and 1.43x (learned
-    p and q) of ``nn.Conv2d`` forward + backward at B = 32, 64 channels, 32x32 on our 2-core CPU
+    d abs(c)^p / dc = p abs(c)^(p-1) is infinite at c = 0 for p < 1, and d abs(c)^p / dp =
+    abs(c)^p ln abs(c) is 0 * inf there.  :class:`_Sharpen` computes the exact value
+    sign(c) abs(c)^p (so abs(out) <= 1 holds exactly, unlike the upstream (abs(c) + 1e-6)^p) and
+    takes the derivatives as p abs(c)^p / max(abs(c), 1e-6) and y ln max(abs(c), 1e-6): exact for
+    abs(c) >= 1e-6, finite at c = 0, at zero patches and at abs(c) = 1 in every dtype.  Reusing
+    abs(c)^p keeps the layer at one ``pow``: 1.26x (fixed p) and 1.43x (learned p and q) of
+    ``nn.Conv2d`` forward + backward at B = 32, 64 channels, 32x32 on our 2-core CPU
     (``benchmarks/bench_scs.py``), against 1.48x and 1.85x with the derivatives recomputed.
 
 Note [learnable p and q]
-    The paper learns p per kernel and does not say how p is parameterised.  The upstream code
-    used four variants in 2022 (``../shared/reference`` A.2); we offer two, chosen by ``p_param``:
-    ``"exp"`` (default, Rohrer's April 2022 form): p = exp(theta), always positive with smooth
-    gradients; ``"raw"`` (the May 2022 form): p = theta clamped at P_MIN = 0.1, whose gradient
-    vanishes while the clamp is active.  q is one value per layer, q = exp(theta_q) (May 2022), so
-    q > 0.  Initial values are the constructor's ``p`` and ``q`` (upstream draws p0 ~ U(1, 3)).
+    The paper learns p per kernel and does not say how p is parameterised.  Rohrer's code changed
+    it four times in 2022 (February: p = (theta / 10)^2 with q added to both norms; March and April:
+    p = exp(theta / 5); May: theta itself, clamped at 0.1, with q = exp(theta_q) on the patch norm
+    only).  We offer two, chosen by ``p_param``: ``"exp"`` (default, the April form without its
+    scale): p = exp(theta), always positive with smooth gradients; ``"raw"`` (the May form):
+    p = theta clamped at P_MIN = 0.1, whose gradient vanishes while the clamp is active.  q is one
+    value per layer, q = exp(theta_q) (May 2022), so q > 0.  Initial values are the constructor's
+    ``p`` and ``q`` (upstream draws p0 ~ U(1, 3)).
 """
 
 from __future__ import annotations
@@ -51,16 +54,16 @@ _GRAD_FLOOR = 1e-6  # Note [sharpening without NaN]
 
 
 class _Sharpen(torch.autograd.Function):
-    """sign(c) |c|^p with p a number or a tensor broadcast against c, in one autograd node.
+    """sign(c) abs(c)^p with p a number or a tensor broadcast against c, in one autograd node.
 
-    Forward computes y = sign(c) |c|^p exactly.  Backward (Note [sharpening without NaN]) reuses
-    |c|^p: dy/dc = p |c|^p / max(|c|, 1e-6) and dy/dp = y ln max(|c|, 1e-6) (summed over the broadcast
-    axes), exact for |c| >= 1e-6 and finite below; one ``pow`` in all, as for plain autograd's forward.
+    Forward computes y = sign(c) abs(c)^p exactly.  Backward (Note [sharpening without NaN]) reuses
+    abs(c)^p: dy/dc = p abs(c)^p / max(abs(c), 1e-6) and dy/dp = y ln max(abs(c), 1e-6) (summed over the broadcast
+    axes), exact for abs(c) >= 1e-6 and finite below; one ``pow`` in all, as for plain autograd's forward.
     """
 
     @staticmethod
     def forward(ctx, c: Tensor, p: float | Tensor) -> Tensor:
-        powered = c.abs().pow(p)  # |c|^p
+        powered = c.abs().pow(p)  # abs(c)^p
         ctx.save_for_backward(c, powered, p if isinstance(p, Tensor) else None)
         ctx.p = p if not isinstance(p, Tensor) else None
         return powered * torch.sign(c)
@@ -79,7 +82,7 @@ class _Sharpen(torch.autograd.Function):
 
 
 def sharpen(c: Tensor, p: float | Tensor) -> Tensor:
-    """sign(c) |c|^p: the sharpening of the paper's Sec. 1, finite gradients at c = 0.
+    """sign(c) abs(c)^p: the sharpening of the paper's Sec. 1, finite gradients at c = 0.
 
     Args:
         c (Tensor): cosines (any shape).
