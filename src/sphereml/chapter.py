@@ -65,11 +65,11 @@ def resolve_output_dir(chapter: str, output_dir: str | os.PathLike = "") -> Path
 
 
 def _show(value) -> str:
-    """A compact text form of a claim's number(s): 4 significant digits, dicts as ``key value`` pairs."""
+    """A compact text form of a claim's number(s): 5 significant digits, dicts as ``key value`` pairs."""
     if isinstance(value, bool) or value is None:
         return str(value)
     if isinstance(value, Number):
-        return f"{value:.4g}"
+        return f"{value:.5g}"
     if isinstance(value, dict):
         return ", ".join(f"{k} {_show(v)}" for k, v in value.items())
     if isinstance(value, (list, tuple)):

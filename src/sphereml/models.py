@@ -25,7 +25,7 @@ from .sphereconv import SphereConv2d, SphereLinear
 
 __all__ = [
     "LayerType", "get_layer", "ConvNet", "MLP", "Classifier", "ConvAutoencoder", "BlockCNN",
-    "ResNet", "resnet18", "plain_cnn", "spherenet", "resnet", "sphere_resnet", "scs_net",
+    "ResNet", "resnet18", "plain_cnn", "spherenet", "resnet", "sphere_resnet", "scs_net", "opt_cnn",
 ]
 
 LayerType = Union[str, Callable[..., nn.Module], None]
@@ -423,3 +423,19 @@ def scs_net(widths: tuple[int, ...] = (32, 64, 128), in_channels: int = 3, image
     conv = conv_layer if conv_layer is not None else partial(SharpenedCosineSimilarity2d, p=p, q=q, learnable=learnable)
     return ConvNet(in_channels, None, tuple(widths), 1, image_size, conv_layer=conv, act_layer=act_layer,
                    pool_layer=pool_layer)
+
+
+def opt_cnn(depth: int = 6, width: int = 64, in_channels: int = 3, image_size: int = 32,
+            norm_layer: LayerType = "batchnorm", act_layer: LayerType = "relu") -> ConvNet:
+    """CNN-6 / CNN-9 of the OPT chapter (thesis Table F.1): three stages of depth / 3 [3x3 conv(width) ->
+    norm -> act] with a 2x2 max-pool after each, then "fc6": a valid conv of ``width`` filters as large as
+    the last map (4x4 at 32 px, fan-in 1024) -> norm -> act.  Features: ``width``; add a :class:`Classifier`.
+    """
+    if depth not in (6, 9):
+        raise ValueError(f"depth must be 6 or 9 (Table F.1), got {depth!r}")
+    net = ConvNet(in_channels, None, (width,) * 3, depth // 3, image_size, norm_layer=norm_layer, act_layer=act_layer)
+    side = image_size // 8
+    net.feature = nn.Sequential(nn.Unflatten(1, (width, side, side)), nn.Conv2d(width, width, side),
+                                get_layer(norm_layer, "identity")(width), get_layer(act_layer, "relu")(), nn.Flatten())
+    net.feature_dim = width
+    return net

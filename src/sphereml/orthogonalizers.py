@@ -1,0 +1,233 @@
+"""Maps from an unconstrained square matrix to an orthogonal one, and the Cayley step of OGD (thesis §7.3.3-7.3.5).
+
+Each map takes ``Tensor[..., m, m]`` (a batch of raw matrices U) and returns orthogonal matrices of
+the same shape, differentiably.  They are the functional core of :mod:`sphereml.opt`:
+
+* :func:`gram_schmidt` — Gram-Schmidt on the **rows** of U, as the authors' code orthonormalises
+  them (the thesis's Algorithm 1 and eqs. F.1-F.2 write it on columns): classic or modified (eq. F.3),
+  unrolled in a loop of m steps.
+* :func:`householder` — Householder QR of the **columns** of U (eq. 7.3, Algorithm 3), unrolled, with
+  the stable choice of the reflection vector (``stable=False``: the authors' u = x - ||x|| e_1).
+* :func:`qr_orthogonalize` — the same two maps computed by LAPACK's QR, with the signs fixed so
+  that the triangular factor has a positive diagonal: ``rows=True`` equals :func:`gram_schmidt`,
+  ``rows=False`` equals :func:`householder` (in exact arithmetic, and to rounding in practice).
+  Classic and modified Gram-Schmidt are one map computed two ways; they differ only in rounding.
+* :func:`lowdin` — Löwdin's symmetric orthogonalisation U (U^T U)^(-1/2) = W V^T from the SVD
+  U = W S V^T (eq. 7.4, F.12-F.14): the orthogonal matrix nearest to U in Frobenius norm.
+* :func:`cayley` — (I + A)(I - A)^(-1) of a skew-symmetric A (§7.3.4); :func:`skew` builds A = T - T^T
+  from the strict upper triangle T of U; :func:`exp_map` is the matrix exponential exp(A).  The Cayley
+  map of A is the (1, 1) Padé approximant of exp(2A).
+* :func:`cayley_sgd_step` — one step of orthogonality-preserving gradient descent on the Cayley curve
+  (eqs. 7.5-7.6) along a *descent* direction; see Note [the sign of eq. 7.5].
+
+Note [the sign of eq. 7.5]
+    The thesis builds the skew matrix from +grad f and moves along Y(lambda) with lambda > 0.  To
+    first order that changes f by +(lambda / 4) ||A - A^T||_F^2 with A = U^T grad f (for square U):
+    the printed step *ascends*.  The authors' code moves along the momentum m <- mu m - grad f, a
+    descent direction.  :func:`cayley_sgd_step` takes the direction to move along (``-grad`` or
+    the momentum), so the sign is explicit; the tests and chapter 9 show both signs.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ._checks import integer, real_number
+
+__all__ = ["gram_schmidt", "householder", "qr_orthogonalize", "lowdin", "skew", "cayley", "exp_map",
+           "cayley_sgd_step", "orthogonality_error"]
+
+_TINY = 1e-30  # a floor on squared norms: zero vectors give zeros, never NaN
+
+
+def _check_square(u: Tensor) -> Tensor:
+    if not isinstance(u, Tensor) or u.dim() < 2 or u.shape[-1] != u.shape[-2]:
+        raise ValueError(f"expected a Tensor[..., m, m] of square matrices, got shape {tuple(getattr(u, 'shape', ()))}")
+    if not torch.is_floating_point(u):
+        raise ValueError(f"expected a floating-point tensor, got {u.dtype}")
+    return u
+
+
+def _unit(x: Tensor) -> Tensor:
+    return x * (x * x).sum(-1, keepdim=True).clamp_min(_TINY).rsqrt()
+
+
+def gram_schmidt(u: Tensor, modified: bool = False) -> Tensor:
+    """Orthonormalise the rows of ``u`` in order, unrolled (thesis Algorithm 1; eq. F.3 when ``modified``).
+
+    Classic: e_i = t_i / ||t_i|| with t_i = u_i - sum_{j<i} <u_i, e_j> e_j.  Modified: the projection
+    on e_i is removed from every later row as soon as e_i is known, which loses less orthogonality
+    when U is ill-conditioned.  Both are the map of :func:`qr_orthogonalize` with ``rows=True``.
+
+    Args:
+        u (Tensor[..., m, m]): raw matrices.
+        modified (bool): modified instead of classic Gram-Schmidt. Default: False.
+
+    Returns:
+        Tensor[..., m, m] with orthonormal rows.
+    """
+    _check_square(u)
+    rows = []
+    if modified:
+        rest = u
+        for _ in range(u.shape[-1]):
+            e = _unit(rest[..., 0, :])
+            rows.append(e)
+            rest = rest[..., 1:, :]
+            rest = rest - (rest @ e.unsqueeze(-1)) * e.unsqueeze(-2)
+        return torch.stack(rows, -2)
+    for i in range(u.shape[-1]):
+        t = u[..., i, :]
+        if rows:
+            basis = torch.stack(rows, -2)  # (..., i, m)
+            t = t - ((basis @ t.unsqueeze(-1)) * basis).sum(-2)
+        rows.append(_unit(t))
+    return torch.stack(rows, -2)
+
+
+def _reflector(x: Tensor, stable: bool) -> tuple[Tensor, Tensor]:
+    """v and 2 / v^T v of the reflection H = I - (2 / v^T v) v v^T with H x = ||x|| e_1 (Algorithm 3)."""
+    x0, tail = x[..., 0], (x[..., 1:] ** 2).sum(-1)
+    norm = (x0 ** 2 + tail).clamp_min(_TINY).sqrt()  # a zero column keeps a finite gradient
+    if stable:  # x0 - ||x|| rewritten as -tail / (x0 + ||x||) when x0 > 0: no cancellation
+        positive = x0 > 0
+        v0 = torch.where(positive, -tail / torch.where(positive, x0 + norm, 1.0), x0 - norm)
+    else:  # the authors' u = x - ||x|| e_1
+        v0 = x0 - norm
+    v = torch.cat([v0.unsqueeze(-1), x[..., 1:]], -1)
+    vtv = v0 ** 2 + tail
+    nonzero = vtv > _TINY
+    return v, torch.where(nonzero, 2.0 / torch.where(nonzero, vtv, 1.0), 0.0)
+
+
+def householder(u: Tensor, stable: bool = True) -> Tensor:
+    """Q of the QR factorisation U = Q R by m - 1 Householder reflections, unrolled (eq. 7.3, Algorithm 3).
+
+    Every reflection maps its column x to +||x|| e_1, so R has a non-negative diagonal and Q is the
+    map of :func:`qr_orthogonalize` with ``rows=False``.  ``stable=False`` forms the reflection
+    vector as x - ||x|| e_1 (the authors' code), which cancels catastrophically when x is close to
+    ||x|| e_1; the stable form computes the same vector without the subtraction.
+
+    Args:
+        u (Tensor[..., m, m]): raw matrices.
+        stable (bool): the stable reflection vector. Default: True.
+
+    Returns:
+        Tensor[..., m, m], orthogonal.
+    """
+    _check_square(u)
+    m = u.shape[-1]
+    a = u
+    q = torch.eye(m, dtype=u.dtype, device=u.device).expand_as(u)
+    for k in range(m - 1):
+        v, scale = _reflector(a[..., k:, k], stable)
+        # H_k acts on rows (of A) / columns (of Q) k..m-1 only.
+        a_tail = a[..., k:, :] - (scale[..., None, None] * v.unsqueeze(-1)) * (v.unsqueeze(-2) @ a[..., k:, :])
+        a = torch.cat([a[..., :k, :], a_tail], -2)
+        q_tail = q[..., :, k:] - ((q[..., :, k:] @ v.unsqueeze(-1)) * scale[..., None, None]) * v.unsqueeze(-2)
+        q = torch.cat([q[..., :, :k], q_tail], -1)
+    # The last 1x1 block: its sign makes the final diagonal entry of R non-negative.
+    last = torch.where(a[..., m - 1, m - 1] < 0, -1.0, 1.0).to(u.dtype)
+    return torch.cat([q[..., :, :m - 1], q[..., :, m - 1:] * last[..., None, None]], -1)
+
+
+def qr_orthogonalize(u: Tensor, rows: bool = True) -> Tensor:
+    """Gram-Schmidt (``rows=True``) or Householder (``rows=False``) by LAPACK's QR, signs fixed.
+
+    ``rows=False``: Q of U = Q R with diag(R) >= 0, as :func:`householder` computes it.
+    ``rows=True``: the same applied to U^T and transposed back, so the rows of the result are the
+    Gram-Schmidt orthonormalisation of the rows of U, as :func:`gram_schmidt` computes them.
+    One QR call instead of a loop of m steps: the fast path of :mod:`sphereml.opt`.
+    """
+    _check_square(u)
+    a = u.mT if rows else u
+    q, r = torch.linalg.qr(a)
+    signs = torch.where(torch.diagonal(r, dim1=-2, dim2=-1) < 0, -1.0, 1.0).to(u.dtype)
+    q = q * signs.unsqueeze(-2)
+    return q.mT if rows else q
+
+
+def lowdin(u: Tensor) -> Tensor:
+    """Löwdin's symmetric orthogonalisation U (U^T U)^(-1/2) = W V^T, with U = W S V^T (eqs. 7.4, F.12-F.14).
+
+    The orthogonal matrix nearest to U in Frobenius norm (F.15, whose square the thesis drops).
+    Its gradient has 1 / (s_i^2 - s_j^2) factors (the SVD's), so it needs distinct singular values.
+    """
+    _check_square(u)
+    w, _, vh = torch.linalg.svd(u)
+    return w @ vh
+
+
+def skew(u: Tensor) -> Tensor:
+    """The skew-symmetric A = T - T^T of the strict upper triangle T of ``u`` (the learnt half, §7.3.4)."""
+    _check_square(u)
+    upper = torch.triu(u, diagonal=1)
+    return upper - upper.mT
+
+
+def cayley(a: Tensor) -> Tensor:
+    """The Cayley transform (I + A)(I - A)^(-1) of a skew-symmetric ``a`` (§7.3.4).
+
+    I - A is always invertible (its eigenvalues are 1 - i lambda), and (I + A) commutes with
+    (I - A)^(-1), so this is solve(I - A, I + A).  det = +1: the map reaches SO(m) only, and never a
+    rotation with eigenvalue -1.  ``torch.nn.utils.parametrizations.orthogonal`` with
+    ``orthogonal_map="cayley"`` computes the same map of A / 2.
+    """
+    _check_square(a)
+    eye = torch.eye(a.shape[-1], dtype=a.dtype, device=a.device)
+    return torch.linalg.solve(eye - a, eye + a)
+
+
+def exp_map(a: Tensor) -> Tensor:
+    """exp(A) of a skew-symmetric ``a`` (§7.3.4); ``cayley(a / 2)`` approximates it to third order."""
+    _check_square(a)
+    return torch.linalg.matrix_exp(a)
+
+
+def cayley_sgd_step(u: Tensor, direction: Tensor, lr: float, iterations: int | None = 2) -> tuple[Tensor, Tensor]:
+    """One orthogonality-preserving step from ``u`` along ``direction`` on the Cayley curve (eqs. 7.5-7.6).
+
+    W_hat = D U^T - 1/2 U (U^T D U^T) and W = W_hat - W_hat^T (skew) for the direction D; the step
+    Y(a) = (I - a/2 W)^(-1) (I + a/2 W) U is approximated by ``iterations`` rounds of the fixed point
+    Y = U + a/2 W (U + Y) started from Y = U + a W U, with a = min(lr, 1 / (||W||_F + 1e-8)).  Each
+    round shrinks the distance to the closed form by about a ||W|| / 2, but the iterate is orthogonal
+    only up to an error that grows with a ||W|| (chapter 9 measures it); ``iterations=None`` solves the
+    closed form instead (orthogonal to rounding).  D must be a descent direction (-grad f, or the
+    momentum built from it): see Note [the sign of eq. 7.5].
+
+    Args:
+        u (Tensor[..., m, m]): orthogonal matrices.
+        direction (Tensor[..., m, m]): the direction D of the same shape.
+        lr (float): the step length lambda, > 0.
+        iterations (int or None): fixed-point rounds, >= 1 (two suffice, §7.3.5); None: the closed
+            form by one linear solve. Default: 2.
+
+    Returns:
+        (the new orthogonal matrices, the direction projected on the tangent space W U).
+    """
+    _check_square(u)
+    if direction.shape != u.shape:
+        raise ValueError(f"direction must have the shape of u {tuple(u.shape)}, got {tuple(direction.shape)}")
+    lr = real_number("lr", lr, above=0.0)
+    if iterations is not None:
+        integer("iterations", iterations, at_least=1)
+    w_hat = direction @ u.mT - 0.5 * u @ (u.mT @ direction @ u.mT)
+    w = w_hat - w_hat.mT
+    tangent = w @ u
+    norm = torch.linalg.matrix_norm(w)[..., None, None]  # one step length per matrix
+    step = torch.clamp(1.0 / (norm + 1e-8), max=lr)
+    if iterations is None:
+        eye = torch.eye(u.shape[-1], dtype=u.dtype, device=u.device)
+        return torch.linalg.solve(eye - 0.5 * step * w, u + 0.5 * step * (w @ u)), tangent
+    y = u + step * tangent
+    for _ in range(iterations):
+        y = u + 0.5 * step * (w @ (u + y))
+    return y, tangent
+
+
+def orthogonality_error(r: Tensor) -> Tensor:
+    """the largest entry of abs(R^T R - I) (per matrix of a batch: the max over all of them)."""
+    _check_square(r)
+    eye = torch.eye(r.shape[-1], dtype=r.dtype, device=r.device)
+    return (r.mT @ r - eye).abs().amax()

@@ -1,0 +1,185 @@
+"""The orthogonalisers of OPT against their definitions and each other (reference §3.12 invariants 1-4, 8, 12)."""
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.utils import parametrizations
+
+from sphereml import orthogonalizers as orth
+
+MAPS = {
+    "gs_qr": orth.qr_orthogonalize,
+    "gs_classic": orth.gram_schmidt,
+    "gs_modified": lambda u: orth.gram_schmidt(u, modified=True),
+    "householder": orth.householder,
+    "householder_qr": lambda u: orth.qr_orthogonalize(u, rows=False),
+    "lowdin": orth.lowdin,
+    "cayley": lambda u: orth.cayley(orth.skew(u)),
+    "matrix_exp": lambda u: orth.exp_map(orth.skew(u)),
+}
+
+
+def _raw(*shape, dtype=torch.float64, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=dtype)
+
+
+def _fix_column_signs(q, r):
+    signs = torch.where(torch.diagonal(r, dim1=-2, dim2=-1) < 0, -1.0, 1.0).to(q.dtype)
+    return q * signs.unsqueeze(-2)
+
+
+@pytest.mark.parametrize("name", MAPS)
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-10), (torch.float32, 1e-5)])
+def test_every_map_is_orthogonal(name, dtype, tol):
+    r = MAPS[name](_raw(3, 12, 12, dtype=dtype))
+    assert r.shape == (3, 12, 12) and r.dtype == dtype
+    assert float(orth.orthogonality_error(r)) < tol
+    assert float((r @ r.mT - torch.eye(12, dtype=dtype)).abs().max()) < tol
+
+
+def test_gram_schmidt_is_qr_of_the_transpose_with_positive_diagonal():
+    u = _raw(4, 9, 9)
+    q, r = torch.linalg.qr(u.mT)
+    expected = _fix_column_signs(q, r).mT
+    for modified in (False, True):
+        torch.testing.assert_close(orth.gram_schmidt(u, modified), expected)
+    torch.testing.assert_close(orth.qr_orthogonalize(u), expected)
+    # the rows are the thesis's e_i: e_1 = u_1 / ||u_1||, and e_i is orthogonal to u_1 .. u_{i-1}
+    e = orth.gram_schmidt(u)
+    torch.testing.assert_close(e[:, 0], u[:, 0] / u[:, 0].norm(dim=-1, keepdim=True))
+    lower = torch.tril(e @ u.mT, diagonal=-1).mT  # <e_i, u_j> for j < i
+    assert float(lower.abs().max()) < 1e-12
+
+
+def test_householder_is_qr_up_to_column_signs():
+    u = _raw(4, 9, 9)
+    q, r = torch.linalg.qr(u)
+    ours = orth.householder(u)
+    torch.testing.assert_close(ours, _fix_column_signs(q, r))
+    torch.testing.assert_close(ours.abs(), q.abs())
+    torch.testing.assert_close(orth.qr_orthogonalize(u, rows=False), ours)
+    assert float(torch.diagonal(ours.mT @ u, dim1=-2, dim2=-1).min()) > 0  # R = Q^T U has a positive diagonal
+
+
+def test_stable_householder_zeroes_a_column_already_close_to_its_axis():
+    """x = e_1 + 1e-9 (0, 1, 1, 1): u = x - ||x|| e_1 loses its first entry to cancellation."""
+    x = torch.eye(4, dtype=torch.float64)
+    x[1:, 0] = 1e-9
+    below_diagonal = {stable: float((orth.householder(x, stable).mT @ x)[1:, 0].abs().max())
+                      for stable in (True, False)}
+    assert below_diagonal[True] < 1e-20
+    assert below_diagonal[False] > 1e-10  # the authors' form leaves the column unreduced
+    assert float(orth.orthogonality_error(orth.householder(x, stable=False))) < 1e-12  # still a reflection product
+
+
+def test_householder_and_gram_schmidt_keep_zero_columns_finite():
+    u = _raw(5, 5)
+    u[:, 2] = 0.0
+    u = u.requires_grad_(True)
+    for fn in (orth.householder, orth.gram_schmidt):
+        out = fn(u)
+        out.sum().backward()
+        assert torch.isfinite(out).all() and torch.isfinite(u.grad).all()
+        u.grad = None
+
+
+def test_lowdin_is_the_nearest_orthogonal_matrix():
+    u = _raw(6, 6)
+    ls = orth.lowdin(u)
+    evals, evecs = torch.linalg.eigh(u.mT @ u)
+    torch.testing.assert_close(ls, u @ evecs @ torch.diag(evals.rsqrt()) @ evecs.mT)
+    distance = float((ls - u).norm())
+    others = [orth.qr_orthogonalize(u), orth.householder(u), orth.cayley(orth.skew(u))]
+    others += [orth.qr_orthogonalize(_raw(6, 6, seed=s)) for s in range(1, 20)]
+    assert all(distance <= float((q - u).norm()) + 1e-12 for q in others)
+
+
+def test_idempotence_on_orthogonal_input():
+    q = orth.qr_orthogonalize(_raw(7, 7))  # rows from Gram-Schmidt: the positive-diagonal convention
+    torch.testing.assert_close(orth.lowdin(q), q)
+    torch.testing.assert_close(orth.gram_schmidt(q), q)
+    torch.testing.assert_close(orth.qr_orthogonalize(q), q)
+
+
+def test_cayley_properties():
+    a = orth.skew(_raw(2, 8, 8))
+    r = orth.cayley(a)
+    torch.testing.assert_close(torch.linalg.det(r), torch.ones(2, dtype=torch.float64))
+    torch.testing.assert_close(orth.cayley(torch.zeros(8, 8, dtype=torch.float64)), torch.eye(8, dtype=torch.float64))
+    torch.testing.assert_close(orth.cayley(-a), r.mT)
+    torch.testing.assert_close(orth.cayley(-a), torch.linalg.inv(r))
+    eye = torch.eye(8, dtype=torch.float64)
+    torch.testing.assert_close(torch.linalg.solve(r + eye, r - eye, left=False), a)  # (R - I)(R + I)^-1 = A
+    torch.testing.assert_close(orth.skew(_raw(8, 8)), -orth.skew(_raw(8, 8)).mT)
+    # the exponential agrees with the Cayley map to third order for a small A
+    small = 1e-3 * a[0]
+    assert float((orth.exp_map(small) - orth.cayley(small / 2)).abs().max()) < 1e-8
+
+
+def test_cayley_matches_pytorch_parametrization():
+    """torch's orthogonal(orthogonal_map="cayley") computes the Cayley map of A / 2, A = X - X^T from tril(X)."""
+    layer = nn.Linear(6, 6, bias=False).double()
+    parametrizations.orthogonal(layer, orthogonal_map="cayley", use_trivialization=False)
+    x = layer.parametrizations.weight.original.detach()
+    a_torch = torch.tril(x) - torch.tril(x).mT
+    raw = a_torch / 2  # skew() keeps a skew matrix: upper(A/2) - upper(A/2)^T = A / 2
+    torch.testing.assert_close(orth.cayley(orth.skew(raw)), layer.weight.detach())
+
+
+@pytest.mark.parametrize("name", ["gs_qr", "gs_classic", "householder", "lowdin", "cayley", "matrix_exp"])
+def test_gradients_match_finite_differences(name):
+    u = (_raw(5, 5) + 3 * torch.eye(5, dtype=torch.float64)).requires_grad_(True)  # well conditioned
+    assert torch.autograd.gradcheck(MAPS[name], (u,))
+
+
+def _least_squares(seed=0, m=6):
+    g = torch.Generator().manual_seed(seed)
+    a, b = torch.randn(20, m, generator=g, dtype=torch.float64), torch.randn(20, m, generator=g, dtype=torch.float64)
+    u = orth.qr_orthogonalize(torch.randn(m, m, generator=g, dtype=torch.float64))
+
+    def f(x):
+        return 0.5 * (a @ x - b).pow(2).sum()
+
+    u = u.requires_grad_(True)
+    (grad,) = torch.autograd.grad(f(u), u)
+    return f, u.detach(), grad
+
+
+def test_cayley_step_descends_along_minus_gradient_and_the_printed_sign_ascends():
+    f, u, grad = _least_squares()
+    down, _ = orth.cayley_sgd_step(u, -grad, lr=1e-3)
+    up, _ = orth.cayley_sgd_step(u, grad, lr=1e-3)  # eq. 7.5 as printed: W from +grad f
+    assert float(f(down)) < float(f(u)) < float(f(up))
+    for y in (down, up):
+        assert float(orth.orthogonality_error(y)) < 1e-6
+
+
+def test_cayley_fixed_point_converges_to_the_closed_form():
+    f, u, grad = _least_squares(seed=1)
+    lr = 1e-3
+    w_hat = -grad @ u.mT - 0.5 * u @ (u.mT @ -grad @ u.mT)
+    w = w_hat - w_hat.mT
+    step = min(lr, 1.0 / (float(torch.linalg.matrix_norm(w)) + 1e-8))
+    eye = torch.eye(len(u), dtype=u.dtype)
+    closed = torch.linalg.solve(eye - step / 2 * w, (eye + step / 2 * w) @ u)
+    errors = [float((orth.cayley_sgd_step(u, -grad, lr, k)[0] - closed).abs().max()) for k in (1, 2, 4, 8)]
+    assert errors == sorted(errors, reverse=True) and errors[-1] < 1e-12
+    assert errors[1] < 1e-6  # two rounds suffice (§7.3.5)
+
+
+@pytest.mark.parametrize("bad", [torch.randn(3), torch.randn(3, 4), torch.randn(2, 3, 4),
+                                 torch.ones(3, 3, dtype=torch.long)])
+def test_non_square_or_integer_input_is_refused(bad):
+    for fn in (orth.gram_schmidt, orth.householder, orth.qr_orthogonalize, orth.lowdin, orth.skew, orth.cayley):
+        with pytest.raises(ValueError, match="square|floating"):
+            fn(bad)
+
+
+def test_cayley_step_arguments():
+    u = torch.eye(3)
+    with pytest.raises(ValueError, match="direction must have the shape"):
+        orth.cayley_sgd_step(u, torch.zeros(4, 4), 0.1)
+    with pytest.raises(ValueError, match="lr"):
+        orth.cayley_sgd_step(u, torch.zeros(3, 3), 0.0)
+    with pytest.raises(ValueError, match="iterations"):
+        orth.cayley_sgd_step(u, torch.zeros(3, 3), 0.1, iterations=0)
