@@ -13,6 +13,7 @@ One concept per module:
 * :mod:`~sphereml.convsim` — convolutional similarity of kernels (pure tensor math).
 * :mod:`~sphereml.regularizers` — regularisers bound to a model's layers once: orthonormality,
   convolutional similarity, MHE.
+* :mod:`~sphereml.comhe` — compressive MHE: random, angle-preserving, adversarial, group, bilateral projections.
 * :mod:`~sphereml.orthogonalizers` — Gram-Schmidt, Householder, Löwdin, Cayley, exp; the Cayley SGD step.
 * :mod:`~sphereml.opt` — orthogonal over-parameterised layers (OPT, PE-OPT, S-OPT), refinement, OGD.
 * :mod:`~sphereml.models` — the book's networks, built from operator factories; ``Classifier``.
@@ -26,7 +27,7 @@ One concept per module:
 * ``sphereml.book`` — the papermill runner (``python -m sphereml.book``); not imported here.
 """
 
-from . import (angular, attacks, chapter, convsim, data, energy, geometry, margins, metrics, models, opt,
+from . import (angular, attacks, chapter, comhe, convsim, data, energy, geometry, margins, metrics, models, opt,
                orthogonalizers, patches, regularizers, schedules, scs, sphereconv, timing, train, viz)
 from .geometry import angle_matrix, cosine_matrix, normalize, safe_angle, sample_sphere
 from .train import evaluate, fit, resolve_device, seed_everything
@@ -34,7 +35,7 @@ from .train import evaluate, fit, resolve_device, seed_everything
 __version__ = "0.1.0"
 
 __all__ = [
-    "angular", "attacks", "chapter", "convsim", "data", "energy", "geometry", "margins", "metrics", "models",
+    "angular", "attacks", "chapter", "comhe", "convsim", "data", "energy", "geometry", "margins", "metrics", "models",
     "opt", "orthogonalizers", "patches", "regularizers", "schedules", "scs", "sphereconv", "timing", "train", "viz",
     "normalize", "cosine_matrix", "safe_angle", "angle_matrix", "sample_sphere",
     "fit", "evaluate", "resolve_device", "seed_everything", "__version__",

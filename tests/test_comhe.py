@@ -1,0 +1,282 @@
+"""Compressive MHE (thesis Ch. 6): the energies against their definitions, the theory by Monte Carlo, the
+regulariser's projection bookkeeping (sharing, resampling, seeds), each variant's own step, and bad arguments."""
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from sphereml import comhe, models
+from sphereml.comhe import CoMHE, angle_distortion, bilateral_energy, group_energy, projected_energies
+from sphereml.energy import hyperspherical_energy
+from sphereml.geometry import normalize
+from sphereml.orthogonalizers import qr_orthogonalize
+from sphereml.train import fit
+
+
+def _g(seed=0):
+    return torch.Generator().manual_seed(seed)
+
+
+def _w(n=12, d=40, seed=0):
+    return torch.randn(n, d, generator=_g(seed), dtype=torch.float64)
+
+
+def _p(c=3, k=5, d=40, seed=1):
+    return torch.randn(c, k, d, generator=_g(seed), dtype=torch.float64)
+
+
+@pytest.mark.parametrize("half_space", [False, True])
+def test_projected_energy_is_the_energy_of_explicitly_projected_neurons(half_space):
+    w, p = _w(), _p()
+    energies = projected_energies(w, p, s=2.0, half_space=half_space)
+    for c in range(len(p)):
+        g = normalize(w @ p[c].T)  # g(w) = P w / ||P w||
+        brute = hyperspherical_energy(g, 2.0, half_space=half_space, backend="dense")
+        torch.testing.assert_close(energies[c], brute)
+    assert float(energies.amax()) >= float(energies.mean())  # invariant 7: max >= mean
+
+
+def test_projection_is_scale_invariant_and_exact_for_a_square_orthogonal_p():
+    w, p = _w(), _p()
+    torch.testing.assert_close(projected_energies(3.0 * w, 0.2 * p), projected_energies(w, p))
+    q = qr_orthogonalize(torch.randn(40, 40, generator=_g(3), dtype=torch.float64))[None]  # k = d, P orthogonal
+    for s in (1.0, 2.0):
+        torch.testing.assert_close(projected_energies(w, q, s)[0], hyperspherical_energy(w, s, half_space=True))
+
+
+def test_projected_energy_tends_to_the_original_as_k_grows():
+    w = _w(16, 60)
+    exact = float(hyperspherical_energy(w, 2.0, half_space=True))
+    gaps = [abs(float(projected_energies(w, torch.randn(20, k, 60, generator=_g(k), dtype=torch.float64)).mean())
+                - exact) for k in (5, 40, 400)]
+    assert gaps[2] < gaps[1] < gaps[0]
+
+
+def test_lemma_3_inner_products_are_preserved_in_mean_with_variance_one_over_k():
+    """E<P w1, P w2> = <w1, w2> for P_ij ~ N(0, 1/k) (k rows: the thesis writes 1/n); unscaled gives k <w1, w2>."""
+    d, k, draws = 50, 10, 20000
+    w1, w2 = _w(2, d)[0], _w(2, d)[1]
+    p = torch.randn(draws, k, d, generator=_g(7), dtype=torch.float64)
+    products = ((p @ w1) * (p @ w2)).sum(-1)  # unscaled entries
+    target = float(w1 @ w2)
+    scaled = products / k
+    assert abs(float(scaled.mean()) - target) < 4 * float(scaled.std()) / math.sqrt(draws)
+    assert abs(float(products.mean()) - k * target) < 4 * float(products.std()) / math.sqrt(draws)
+
+
+@pytest.mark.parametrize("k,eps", [(200, 0.3), (400, 0.2)])
+def test_theorem_3_sandwich_holds_at_least_as_often_as_stated(k, eps):
+    """(cos - eps) / (1 + eps) < cos_P < (cos + eps) / (1 - eps) with probability >= (1 - 2 exp(-k eps^2 / 8))^2."""
+    d, draws = 576, 400
+    w = torch.randn(2, d, generator=_g(11), dtype=torch.float64)
+    w[1] = 0.6 * w[0] + 0.8 * w[1]  # a pair at a moderate angle
+    cos = float(normalize(w[0], dim=0) @ normalize(w[1], dim=0))
+    p = torch.randn(draws, k, d, generator=_g(12), dtype=torch.float64)
+    proj = normalize(w @ p.mT, dim=-1)  # (draws, 2, k)
+    cos_p = (proj[:, 0] * proj[:, 1]).sum(-1)
+    inside = ((cos - eps) / (1 + eps) < cos_p) & (cos_p < (cos + eps) / (1 - eps))
+    stated = (1 - 2 * math.exp(-k * eps ** 2 / 8)) ** 2
+    assert stated > 0.3  # the bound says something at these sizes (it is vacuous at k = 30 for eps < 0.43)
+    assert float(inside.double().mean()) >= stated
+
+
+def test_angle_distortion_is_zero_for_an_orthogonal_square_projection_and_positive_for_a_random_one():
+    w = _w()
+    q = qr_orthogonalize(torch.randn(40, 40, generator=_g(3), dtype=torch.float64))[None]
+    assert float(angle_distortion(w, q)) < 1e-20
+    assert float(angle_distortion(w, _p())) > 1e-3
+
+
+def test_group_energy_with_one_group_is_mhe_and_splits_channels():
+    w = torch.randn(6, 8, 3, 3, generator=_g(), dtype=torch.float64)
+    torch.testing.assert_close(group_energy(w, 8), hyperspherical_energy(w, 2.0, half_space=True))
+    parts = [hyperspherical_energy(w[:, i:i + 4], 2.0, half_space=True) for i in (0, 4)]
+    torch.testing.assert_close(group_energy(w, 4), (parts[0] + parts[1]) / 2)
+
+
+def test_bilateral_energy_is_the_sum_of_its_two_energies():
+    w = _w()
+    p1, p2 = torch.randn(5, 40, generator=_g(1), dtype=torch.float64), torch.randn(4, 12, generator=_g(2),
+                                                                                   dtype=torch.float64)
+    expected = hyperspherical_energy(w @ p1.T, half_space=True) + hyperspherical_energy(p2 @ w, half_space=True)
+    torch.testing.assert_close(bilateral_energy(w, p1, p2), expected)
+
+
+def _net(seed=0):
+    torch.manual_seed(seed)
+    return models.Classifier(models.ConvNet(1, 32, widths=(8, 8, 16), image_size=16), 4)
+
+
+def test_layers_shared_basis_and_small_fan_in():
+    model = _net()
+    reg = CoMHE(model, proj_dim=30, num_proj=2)
+    fan_ins = [m.weight[0].numel() for m in reg.hidden]
+    assert fan_ins == [9, 72, 72, 64]  # the last is the 64 -> 32 feature layer; the classifier is separate
+    assert reg.output is model.head
+    reg()
+    assert not reg.compressed(reg.hidden[0])  # fan-in 9 <= 30: plain half-space MHE, as the authors' first layer
+    keys = [reg.key(i) for i in range(4)]
+    assert keys[1] == keys[2] != keys[3]
+    assert reg.projections[keys[1]].shape == (2, 30, 72)
+    independent = CoMHE(model, proj_dim=30, num_proj=2, shared_basis=False)
+    independent()
+    assert not torch.equal(independent.projections[("layer", 1)], independent.projections[("layer", 2)])
+    plain = hyperspherical_energy(reg.hidden[0].weight, 2.0, half_space=True)
+    torch.testing.assert_close(reg.layer_energy(0), plain)
+
+
+def test_penalty_matches_its_definition():
+    model = _net()
+    reg = CoMHE(model, proj_dim=20, num_proj=3, lambda_hidden=2.0, lambda_output=0.5)
+    value = reg()
+    hidden = [hyperspherical_energy(reg.hidden[0].weight, 2.0, half_space=True)]
+    for i in (1, 2, 3):
+        hidden.append(projected_energies(reg.hidden[i].weight, reg.projections[reg.key(i)]).mean())
+    expected = 2.0 * sum(hidden) + 0.5 * hyperspherical_energy(model.head.weight, 2.0)
+    torch.testing.assert_close(value, expected)
+
+
+@pytest.mark.parametrize("every", [1, 3, None])
+def test_resampling_follows_its_schedule_and_seeds_reproduce(every):
+    model = _net()
+    reg, twin = CoMHE(model, resample_every=every, seed=5), CoMHE(model, resample_every=every, seed=5)
+    seen = []
+    for _ in range(6):
+        reg(), twin()
+        key = reg.key(1)
+        assert torch.equal(reg.projections[key], twin.projections[key])
+        seen.append(reg.projections[key].clone())
+    changed = [not torch.equal(a, b) for a, b in zip(seen, seen[1:])]
+    expected = [every is not None and (i + 1) % every == 0 for i in range(5)]
+    assert changed == expected
+    other = CoMHE(model, resample_every=every, seed=6)
+    other()
+    assert not torch.equal(other.projections[reg.key(1)], seen[0])
+
+
+def test_projections_get_no_gradient_from_the_loss():
+    model = _net()
+    reg = CoMHE(model)
+    reg().backward()
+    assert all(not p.requires_grad for p in reg.projections.values())
+    assert reg.hidden[1].weight.grad is not None
+
+
+def test_angle_fitting_lowers_the_distortion():
+    model = _net()
+    reg = CoMHE(model, variant="angle", num_proj=1, proj_dim=10, ap_every=1, ap_steps=10, ap_lr=0.05,
+                unrolled=False)
+    assert reg.resample_every is None  # "auto": a fitted projection is kept
+    reg.resample()
+    key = reg.key(1)
+    users = [m.weight.detach() for i, m in enumerate(reg.hidden) if reg.key(i) == key]
+    assert len(users) == 2  # a shared basis: one fit on both layers' summed L_P
+
+    def distortion():
+        return sum(float(angle_distortion(w, reg.projections[key])) for w in users)
+
+    before = distortion()
+    reg()
+    assert distortion() < 0.9 * before
+
+
+def test_unrolled_angle_energy_has_the_second_order_gradient():
+    """d/dW of E(W, P - lr grad_P L_P(W, P)) by autograd equals finite differences (float64)."""
+    torch.manual_seed(0)
+    layer = nn.Linear(12, 6).double()
+    model = nn.Sequential(layer, nn.ReLU(), nn.Linear(6, 3).double())
+    reg = CoMHE(model, variant="angle", proj_dim=4, num_proj=1, lambda_output=0.0, resample_every=None,
+                ap_every=10 ** 6)
+    reg.resample()
+    p = reg.projections[reg.key(0)]
+
+    def energy(weight):
+        with torch.no_grad():
+            layer.weight.copy_(weight)
+        return reg.layer_energy(0)
+
+    def energy_of(weight):
+        q = p.detach().requires_grad_(True)
+        (grad,) = torch.autograd.grad(angle_distortion(weight, q), q, create_graph=True)
+        stepped = q - reg.ap_lr * q.detach().norm() / grad.norm() * grad  # the scale-free step
+        return projected_energies(weight, stepped).mean()
+
+    w0 = layer.weight.detach().clone().requires_grad_(True)
+    assert torch.autograd.gradcheck(energy_of, (w0,))
+    torch.testing.assert_close(energy(w0.detach()), energy_of(w0.detach()))
+
+
+def test_adversarial_step_raises_the_projected_energy():
+    model = _net()
+    reg = CoMHE(model, variant="adversarial", num_proj=2, ap_lr=0.05)
+    assert reg.resample_every is None
+    reg.resample()
+    w = reg.hidden[1].weight.detach()
+    before = float(projected_energies(w, reg.projections[reg.key(1)]).mean())
+    reg()  # ascends first, then returns the penalty with the new projection
+    after = float(projected_energies(w, reg.projections[reg.key(1)]).mean())
+    assert after > before
+
+
+@pytest.mark.parametrize("variant", comhe.VARIANTS)
+def test_every_variant_trains_with_fit(variant):
+    model = _net()
+    kwargs = {"num_proj": 1, "ap_every": 2} if variant == "angle" else {}
+    reg = CoMHE(model, variant=variant, proj_dim=16, group_size=4, **kwargs)
+    x, y = torch.rand(48, 1, 16, 16), torch.randint(0, 4, (48,))
+    history = fit(model, torch.utils.data.TensorDataset(x, y), epochs=2, batch_size=16, lr=0.05, optimizer="sgd",
+                  regularizer=reg, device="cpu", progress=False)
+    assert all(math.isfinite(e["reg"]) and e["reg"] > 0 for e in history.epochs)
+    assert reg.calls == 6 and reg.original_energy() > 0
+
+
+def test_comhe_alone_lowers_the_original_energy():
+    """A few steps of the regulariser alone (no data) lower the layers' original half-space energy."""
+    model = _net()
+    reg = CoMHE(model, proj_dim=20, lambda_output=0.0)
+    start = reg.original_energy()
+    sgd = torch.optim.SGD(model.parameters(), lr=1.0)
+    for _ in range(20):
+        sgd.zero_grad()
+        reg().backward()
+        sgd.step()
+    assert reg.original_energy() < start
+
+
+def test_bad_arguments():
+    model = _net()
+    with pytest.raises(ValueError, match="variant must be one of"):
+        CoMHE(model, variant="sketch")
+    with pytest.raises(ValueError, match="proj_dim must be an integer >= 1"):
+        CoMHE(model, proj_dim=0)
+    with pytest.raises(ValueError, match="num_proj must be an integer >= 1"):
+        CoMHE(model, num_proj=0)
+    with pytest.raises(ValueError, match="resample_every"):
+        CoMHE(model, resample_every=0)
+    with pytest.raises(ValueError, match="resample_every"):
+        CoMHE(model, resample_every="often")
+    with pytest.raises(ValueError, match="ap_lr"):
+        CoMHE(model, ap_lr=0.0)
+    with pytest.raises(ValueError, match="no layer"):
+        CoMHE(nn.Sequential(nn.ReLU()))
+    with pytest.raises(ValueError, match=r"p must be a Tensor\[C, k, 40\]"):
+        projected_energies(_w(), torch.randn(5, 40))
+    with pytest.raises(ValueError, match="group_size must divide"):
+        group_energy(torch.randn(4, 6, 3, 3), 4)
+    with pytest.raises(ValueError, match="p2 must be"):
+        bilateral_energy(_w(), torch.randn(5, 40, dtype=torch.float64), torch.randn(1, 12, dtype=torch.float64))
+
+
+def test_benchmark_smoke(monkeypatch, tmp_path):
+    """benchmarks/bench_comhe.py end to end at a tiny size; its JSON goes to a temporary folder."""
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1]))
+    from benchmarks import bench_comhe, harness
+
+    monkeypatch.setattr(harness, "RESULTS", tmp_path)
+    result = bench_comhe.run(torch.device("cpu"), batch=2, widths=(4, 8, 8), repeats=1, names=("HS-MHE", "RP-CoMHE"))
+    assert set(result["seconds"]) == {"none", "HS-MHE", "RP-CoMHE"}
+    assert (tmp_path / "comhe_train_step_cnn9_b2-cpu.json").is_file()
