@@ -12,13 +12,12 @@ from __future__ import annotations
 import sys
 
 import torch
-import torch.nn.functional as F
 
 from sphereml import models
 from sphereml.comhe import CoMHE
 from sphereml.regularizers import MHE
 
-from .harness import compare
+from .harness import compare, training_step
 
 REGULARIZERS = {
     "HS-MHE": lambda net: MHE(net, half_space=True),
@@ -27,18 +26,6 @@ REGULARIZERS = {
     "AP-CoMHE (unrolled)": lambda net: CoMHE(net, variant="angle", num_proj=1, resample_every=None),
     "G-CoMHE": lambda net: CoMHE(net, variant="group"),
 }
-
-
-def _step(net, reg, x, y):
-    sgd = torch.optim.SGD(net.parameters(), 0.1, momentum=0.9)
-
-    def step():
-        sgd.zero_grad(set_to_none=True)
-        loss = F.cross_entropy(net(x), y)
-        (loss + reg() if reg is not None else loss).backward()
-        sgd.step()
-
-    return step
 
 
 def run(device: torch.device, batch: int = 128, widths: tuple[int, int, int] = (64, 128, 256), repeats: int = 3,
@@ -50,7 +37,8 @@ def run(device: torch.device, batch: int = 128, widths: tuple[int, int, int] = (
     for name in ("none",) + tuple(names):
         torch.manual_seed(0)
         net = models.Classifier(models.plain_cnn(9, widths=widths, feature_dim=256), 100).to(device)
-        candidates[name] = _step(net, REGULARIZERS[name](net) if name != "none" else None, x, y)
+        sgd = torch.optim.SGD(net.parameters(), 0.1, momentum=0.9)
+        candidates[name] = training_step(net, x, y, sgd, REGULARIZERS[name](net) if name != "none" else None)
     print(f"--- CNN-9 training step with a regulariser, widths {widths}, batch {batch}, 32x32x3, 100 classes")
     return compare(f"comhe_train_step_cnn9_b{batch}", candidates, baseline="none", device=device, repeats=repeats,
                    extra={"batch": batch, "widths": list(widths), "network": "CNN-9 (Table E.1)"})

@@ -11,11 +11,10 @@ from __future__ import annotations
 import sys
 
 import torch
-import torch.nn.functional as F
 
 from sphereml import models, opt
 
-from .harness import compare
+from .harness import compare, training_step
 
 METHODS = ("gs", "householder", "lowdin", "cayley", "matrix_exp", "ogd", "or", "gs (unrolled)")
 
@@ -35,15 +34,7 @@ def _step(net: torch.nn.Module, x: torch.Tensor, y: torch.Tensor):
         optimizer = opt.ogd_optimizer(net, lr=0.1)
     else:
         optimizer = torch.optim.SGD(net.parameters(), 0.1, momentum=0.9)
-    reg = opt.OrthogonalRelaxation(net) if "or" in methods else None
-
-    def step():
-        optimizer.zero_grad(set_to_none=True)
-        loss = F.cross_entropy(net(x), y)
-        (loss + reg() if reg is not None else loss).backward()
-        optimizer.step()
-
-    return step
+    return training_step(net, x, y, optimizer, opt.OrthogonalRelaxation(net) if "or" in methods else None)
 
 
 def run(device: torch.device, batch: int = 128, width: int = 64, repeats: int = 5,

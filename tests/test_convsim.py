@@ -243,3 +243,13 @@ def test_feature_map_similarity_cosines_and_batches():
 def test_bad_arguments(call, message):
     with pytest.raises(ValueError, match=message):
         call()
+
+
+def test_truncated_modes_are_a_heuristic_not_a_guarantee():
+    """Valid-mode L_CS can vanish while the valid-padding feature maps are far from orthogonal."""
+    w = torch.tensor([[[1.0, 0.0, 0.0]], [[0.0, 1.0, 0.0]]], dtype=F64)
+    assert float(conv_similarity(w, "valid")) == 0.0
+    x = torch.ones(1, 8, dtype=F64)
+    f1, f2 = cross_correlate(x, w[0], "valid"), cross_correlate(x, w[1], "valid")
+    assert float((f1 * f2).sum()) == 6.0
+    assert float(conv_similarity(w, "full")) > 0.0  # the paper's full-lag loss sees the overlap

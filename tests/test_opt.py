@@ -235,13 +235,14 @@ def test_orthogonal_relaxation_penalty():
     model = models.MLP(12, 3, hidden=(8,))
     opt.overparameterize_model(model, "or", include_output=True)
     reg = opt.OrthogonalRelaxation(model, beta=0.1)
-    assert float(reg()) == pytest.approx(0.0, abs=1e-5)  # starts orthogonal
+    assert float(reg().detach()) == pytest.approx(0.0, abs=1e-5)  # starts orthogonal
     raw = opt.rotation_module(model.net[1]).raw
     with torch.no_grad():
         raw.mul_(2.0)  # R^T R - I = 3 I: ||.||_F = 3 sqrt(12)
     expected = 3 * math.sqrt(12)
-    assert float(reg()) == pytest.approx(0.1 * expected, rel=1e-5)
-    assert float(opt.OrthogonalRelaxation(model, beta=1.0, squared=True)()) == pytest.approx(expected ** 2, rel=1e-5)
+    assert float(reg().detach()) == pytest.approx(0.1 * expected, rel=1e-5)
+    squared = opt.OrthogonalRelaxation(model, beta=1.0, squared=True)().detach()
+    assert float(squared) == pytest.approx(expected ** 2, rel=1e-5)
 
 
 def test_table_7_2_initial_energy_from_its_definition():

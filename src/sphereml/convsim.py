@@ -229,6 +229,11 @@ def conv_similarity(weight: Tensor, mode: str | int = "full", method: str = "aut
     (the paper's loss), ``abs(n) <= (N - 1) / 2`` for ``"same"``, n = 0 for ``"valid"`` (which is the
     squared-inner-product kernel orthogonality over all channel pairs); an integer P keeps ``abs(n) <= P``.
 
+    Only ``"full"`` is the paper's loss, for every padding of the layer (§5, eqs. 33-35: the feature maps
+    of a padded convolution are sub-windows of the full ones, so their orthogonality needs all lags).
+    The truncated modes are our heuristic, not a guarantee: K1 = [1, 0, 0], K2 = [0, 1, 0] give 0 in
+    ``"valid"`` mode while their valid-padding feature maps on x = ones(8) have inner product 6.
+
     Args:
         weight (``Tensor[S, C, *k]``): conv weight with 1 to 3 equal spatial sizes.
         mode: lags kept, see above. Default: ``"full"``.

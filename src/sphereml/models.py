@@ -350,19 +350,21 @@ def _sphere_layers(angular: str, k: float, learnable_k: bool) -> dict:
 def plain_cnn(depth: int = 9, widths: tuple[int, int, int] = (64, 96, 128), in_channels: int = 3,
               image_size: int = 32, feature_dim: int = 256, conv_layer: LayerType = None,
               linear_layer: LayerType = None, norm_layer: LayerType = "batchnorm",
-              act_layer: LayerType = "relu") -> ConvNet:
+              act_layer: LayerType = "relu", feature_act: bool = True) -> ConvNet:
     """CNN-N of thesis Table B.1: three stages of depth / 3 [3x3 conv -> norm -> act], each ending in a
     2x2 max-pool, then a fully connected layer of ``feature_dim`` (256) units with the activation.
 
     ``depth`` counts the conv layers (CNN-3, 9, 18, 45, 60, 69: 1, 3, 6, 15, 20, 23 per stage).
-    Wrap it in a :class:`Classifier` to add the softmax (or a margin) head.
+    Wrap it in a :class:`Classifier` to add the softmax (or a margin) head; ``feature_act=False`` drops
+    the activation after the feature layer, as App. A.1 does for angular-margin heads (a ReLU there
+    leaves them non-negative features only).
     """
     if not _is_int(depth) or depth < 3 or depth % 3:
         raise ValueError(f"depth must be a positive multiple of 3 (CNN-3, CNN-9, ...), got {depth!r}")
     if len(widths) != 3:
         raise ValueError(f"widths must give the three stages' channels, got {widths!r}")
     return ConvNet(in_channels, feature_dim, tuple(widths), depth // 3, image_size, conv_layer, linear_layer,
-                   act_layer, norm_layer, feature_act=True)
+                   act_layer, norm_layer, feature_act=feature_act)
 
 
 def spherenet(depth: int = 9, angular: str = "cosine", k: float = 0.5, learnable_k: bool = False,
