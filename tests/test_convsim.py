@@ -253,3 +253,11 @@ def test_truncated_modes_are_a_heuristic_not_a_guarantee():
     f1, f2 = cross_correlate(x, w[0], "valid"), cross_correlate(x, w[1], "valid")
     assert float((f1 * f2).sum()) == 6.0
     assert float(conv_similarity(w, "full")) > 0.0  # the paper's full-lag loss sees the overlap
+
+
+def test_eq_17_counts_every_pair_twice_eq_19_once():
+    """The paper's eq. 17 sums over ordered pairs j != i and calls eq. 19 (j > i) a simplification; it is half."""
+    w = torch.randn(4, 2, 3, generator=torch.Generator().manual_seed(0), dtype=F64)
+    ordered = sum(kernel_correlation(w[i, c1], w[j, c2]).pow(2).sum()
+                  for i in range(4) for j in range(4) if j != i for c1 in range(2) for c2 in range(2))
+    torch.testing.assert_close(ordered, 2 * conv_similarity(w, method="direct"))

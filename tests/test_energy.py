@@ -281,3 +281,30 @@ def test_output_energy_matches_its_definition():
 def test_bad_arguments(call, match):
     with pytest.raises(ValueError, match=match):
         call()
+
+
+def test_eq_6_2_gradient_has_factor_four_for_ordered_pairs():
+    """Thesis eq. 6.2 prints grad_i E_2 = sum_{j != i} -2 (w_i - w_j) / ||w_i - w_j||^4 for the ordered-pair sum
+    E_2 = sum_{i != j} ||w_i - w_j||^-2; each pair appears twice, so autograd gives twice the printed value."""
+    w = normalize(_w(6, 4)).requires_grad_(True)
+    n = len(w)
+    total = hyperspherical_energy(w, s=2.0, backend="dense") * n * (n - 1)  # the pair mean back to the sum
+    (ours,) = torch.autograd.grad(total, w)  # through the normalisation: tangent to the sphere
+    diff = w.detach()[:, None, :] - w.detach()[None, :, :]
+    dist4 = diff.norm(dim=-1).pow(4).fill_diagonal_(float("inf"))
+    printed = (-2 * diff / dist4[..., None]).sum(1)  # eq. 6.2 with respect to the unit vectors
+    tangent = printed - (printed * w.detach()).sum(1, keepdim=True) * w.detach()  # what w -> w/||w|| passes on
+    torch.testing.assert_close(ours, 2 * tangent)
+
+
+@pytest.mark.parametrize("backend", ["dense", "tiled"])
+def test_angular_half_space_energy_of_antipodal_pairs_is_floored_as_documented(backend):
+    """Two orthogonal neurons and their negatives: angles pi (w, -w) and pi / 2.  The symmetric floor caps the
+    antipodal angle at arccos(-1 + eps / 2) (Note [close pairs]): a known relative error of about 2e-5 here."""
+    w = torch.eye(2, 3, dtype=F64)
+    eps = 1e-7
+    capped = math.acos(-1 + eps / 2)
+    expected = (1 / capped + 2 * 2 / math.pi) / 3  # per point: one (capped) antipode, two right angles
+    value = float(hyperspherical_energy(w, 1.0, "angular", half_space=True, backend=backend, eps=eps))
+    assert value == pytest.approx(expected, rel=1e-12)
+    assert abs(value / ((1 / math.pi + 4 / math.pi) / 3) - 1) < 3e-5

@@ -1,4 +1,4 @@
-"""Convolutional similarity: feature-map orthogonality from the kernels alone (seed 004).
+"""Convolutional similarity: feature-map orthogonality from the kernels alone (the convolutional-similarity paper).
 
 Pure tensor math on kernels: nothing here walks a model (the per-model sums and the iterative
 initialisation live in :mod:`sphereml.regularizers`).

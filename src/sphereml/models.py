@@ -247,8 +247,8 @@ class ConvAutoencoder(nn.Module):
 class BlockCNN(nn.Module):
     """``blocks`` x [conv 3x3 (padding 2) -> norm -> act -> max-pool 2], then a linear classifier.
 
-    The CNN1 (width 64) and CNN2 (width 128) of the convolutional-similarity paper (seed 004,
-    Table 7) with BatchNorm and LeakyReLU(0.2).  Its caption gives the conv arguments as
+    The CNN1 (width 64) and CNN2 (width 128) of the convolutional-similarity paper
+    (its Table 7) with BatchNorm and LeakyReLU(0.2).  Its caption gives the conv arguments as
     (in, out, kernel, padding) with padding 2 — the *full* cross-correlation of a 3x3 kernel
     that the paper's theory assumes, and the value that makes its Linear(576, 10) fit 32x32
     inputs (32 -> 34 -> 17 -> 19 -> 9 -> 11 -> 5 -> 7 -> 3).  28x28 inputs also end at 3x3.
