@@ -9,7 +9,7 @@ from typing import Callable
 import torch
 
 from sphereml.timing import compare as compare_round_robin
-from sphereml.timing import device_name, environment, save_result
+from sphereml.timing import device_name, environment, save_result, training_step
 
 __all__ = ["RESULTS", "compare", "device_name", "environment", "save", "forward_backward", "training_step"]
 
@@ -49,15 +49,3 @@ def forward_backward(operators: dict[str, Callable], x: torch.Tensor, target: to
 
     return {label: (lambda op=op: step(op)) for label, op in operators.items()}
 
-
-def training_step(net: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, optimizer: torch.optim.Optimizer,
-                  regularizer: Callable[[], torch.Tensor] | None = None) -> Callable[[], None]:
-    """One optimiser step of ``net`` on the batch (x, y): cross-entropy plus ``regularizer()`` when given."""
-
-    def step():
-        optimizer.zero_grad(set_to_none=True)
-        loss = torch.nn.functional.cross_entropy(net(x), y)
-        (loss + regularizer() if regularizer is not None else loss).backward()
-        optimizer.step()
-
-    return step

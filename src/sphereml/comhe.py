@@ -36,7 +36,7 @@ from torch import Tensor, nn
 from ._checks import integer, one_of, real_number
 from .energy import hyperspherical_energy
 from .geometry import normalize
-from .regularizers import LAYER_KINDS, Regularizer, output_layer, select_layers
+from .regularizers import LAYER_KINDS, Regularizer, network_energy, output_layer, select_layers
 
 __all__ = ["VARIANTS", "projected_energies", "angle_distortion", "group_energy", "bilateral_energy", "CoMHE"]
 
@@ -290,13 +290,11 @@ class CoMHE(Regularizer):
             total = total + self.lambda_output * hyperspherical_energy(self.output.weight, self.s, backend=self.backend)
         return total
 
-    @torch.no_grad()
     def original_energy(self, s: float | None = None, half_space: bool | None = None) -> float:
         """The sum over hidden layers of the unprojected pair-mean energy (default: this regulariser's s and
         space; the thesis plots s = 1 half-space in Figs. 6.1 / E.2 and E_2 of eq. 6.1 in Fig. 6.2)."""
-        s = self.s if s is None else s
-        half = self.half_space if half_space is None else half_space
-        return float(sum(hyperspherical_energy(m.weight, s, half_space=half) for m in self.hidden))
+        return network_energy(self.hidden, self.s if s is None else s,
+                              self.half_space if half_space is None else half_space)
 
     def __repr__(self) -> str:
         return (f"CoMHE(variant={self.variant!r}, proj_dim={self.proj_dim}, num_proj={self.num_proj}, s={self.s:g}, "

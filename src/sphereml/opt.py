@@ -39,7 +39,7 @@ from . import orthogonalizers as orth
 from ._checks import integer, one_of, real_number
 from .energy import hyperspherical_energy
 from .geometry import normalize as unit_rows
-from .regularizers import Regularizer, select_layers
+from .regularizers import Regularizer, network_energy, select_layers  # network_energy: re-exported
 
 __all__ = [
     "METHODS", "ORTHOGONAL_BY_CONSTRUCTION", "OrthogonalRotation", "orthogonal_overparameterize",
@@ -281,12 +281,6 @@ def refine_neurons(v: Tensor, steps: int = 5000, lr: float = 0.01, s: float = 2.
     return (x.detach() * norms).reshape(v.shape)
 
 
-@torch.no_grad()
-def network_energy(layers: list[nn.Module], s: float = 2.0, half_space: bool = True) -> float:
-    """Sum over ``layers`` of the pair-mean energy of their neurons (half-space s = 2: Table 7.2's measure)."""
-    return float(sum(hyperspherical_energy(m.weight.detach(), s, half_space=half_space) for m in layers))
-
-
 class OrthogonalRelaxation(Regularizer):
     """beta * sum over the ``or`` layers of ||R^T R - I||_F (eq. 7.7; the authors' code: beta 0.1, unsquared).
 
@@ -337,7 +331,7 @@ class OrthogonalSGD(torch.optim.Optimizer):
         for group in self.param_groups:
             if group["orthogonal"]:
                 for p in group["params"]:
-                    orth._check_square(p)
+                    orth.check_square(p)
 
     @torch.no_grad()
     def step(self, closure=None):

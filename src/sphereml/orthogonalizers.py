@@ -35,13 +35,14 @@ from torch import Tensor
 
 from ._checks import integer, real_number
 
-__all__ = ["gram_schmidt", "householder", "qr_orthogonalize", "lowdin", "skew", "cayley", "exp_map",
+__all__ = ["check_square", "gram_schmidt", "householder", "qr_orthogonalize", "lowdin", "skew", "cayley", "exp_map",
            "cayley_sgd_step", "orthogonality_error"]
 
 _TINY = 1e-30  # a floor on squared norms: zero vectors give zeros, never NaN
 
 
-def _check_square(u: Tensor) -> Tensor:
+def check_square(u: Tensor) -> Tensor:
+    """``u`` if it is a floating-point Tensor[..., m, m]; a ValueError otherwise."""
     if not isinstance(u, Tensor) or u.dim() < 2 or u.shape[-1] != u.shape[-2]:
         raise ValueError(f"expected a Tensor[..., m, m] of square matrices, got shape {tuple(getattr(u, 'shape', ()))}")
     if not torch.is_floating_point(u):
@@ -67,7 +68,7 @@ def gram_schmidt(u: Tensor, modified: bool = False) -> Tensor:
     Returns:
         Tensor[..., m, m] with orthonormal rows.
     """
-    _check_square(u)
+    check_square(u)
     rows = []
     if modified:
         rest = u
@@ -116,7 +117,7 @@ def householder(u: Tensor, stable: bool = True) -> Tensor:
     Returns:
         Tensor[..., m, m], orthogonal.
     """
-    _check_square(u)
+    check_square(u)
     m = u.shape[-1]
     a = u
     q = torch.eye(m, dtype=u.dtype, device=u.device).expand_as(u)
@@ -140,7 +141,7 @@ def qr_orthogonalize(u: Tensor, rows: bool = True) -> Tensor:
     Gram-Schmidt orthonormalisation of the rows of U, as :func:`gram_schmidt` computes them.
     One QR call instead of a loop of m steps: the fast path of :mod:`sphereml.opt`.
     """
-    _check_square(u)
+    check_square(u)
     a = u.mT if rows else u
     q, r = torch.linalg.qr(a)
     signs = torch.where(torch.diagonal(r, dim1=-2, dim2=-1) < 0, -1.0, 1.0).to(u.dtype)
@@ -154,14 +155,14 @@ def lowdin(u: Tensor) -> Tensor:
     The orthogonal matrix nearest to U in Frobenius norm (F.15, whose square the thesis drops).
     Its gradient has 1 / (s_i^2 - s_j^2) factors (the SVD's), so it needs distinct singular values.
     """
-    _check_square(u)
+    check_square(u)
     w, _, vh = torch.linalg.svd(u)
     return w @ vh
 
 
 def skew(u: Tensor) -> Tensor:
     """The skew-symmetric A = T - T^T of the strict upper triangle T of ``u`` (the learnt half, §7.3.4)."""
-    _check_square(u)
+    check_square(u)
     upper = torch.triu(u, diagonal=1)
     return upper - upper.mT
 
@@ -174,14 +175,14 @@ def cayley(a: Tensor) -> Tensor:
     rotation with eigenvalue -1.  ``torch.nn.utils.parametrizations.orthogonal`` with
     ``orthogonal_map="cayley"`` computes the same map of A / 2.
     """
-    _check_square(a)
+    check_square(a)
     eye = torch.eye(a.shape[-1], dtype=a.dtype, device=a.device)
     return torch.linalg.solve(eye - a, eye + a)
 
 
 def exp_map(a: Tensor) -> Tensor:
     """exp(A) of a skew-symmetric ``a`` (§7.3.4); ``cayley(a / 2)`` approximates it to third order."""
-    _check_square(a)
+    check_square(a)
     return torch.linalg.matrix_exp(a)
 
 
@@ -206,7 +207,7 @@ def cayley_sgd_step(u: Tensor, direction: Tensor, lr: float, iterations: int | N
     Returns:
         (the new orthogonal matrices, the direction projected on the tangent space W U).
     """
-    _check_square(u)
+    check_square(u)
     if direction.shape != u.shape:
         raise ValueError(f"direction must have the shape of u {tuple(u.shape)}, got {tuple(direction.shape)}")
     lr = real_number("lr", lr, above=0.0)
@@ -228,6 +229,6 @@ def cayley_sgd_step(u: Tensor, direction: Tensor, lr: float, iterations: int | N
 
 def orthogonality_error(r: Tensor) -> Tensor:
     """the largest entry of abs(R^T R - I) (per matrix of a batch: the max over all of them)."""
-    _check_square(r)
+    check_square(r)
     eye = torch.eye(r.shape[-1], dtype=r.dtype, device=r.device)
     return (r.mT @ r - eye).abs().amax()

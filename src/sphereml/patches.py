@@ -29,9 +29,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ._checks import integer
 from .geometry import normalize
 
-__all__ = ["pair", "check_padding", "explicit_padding", "output_size", "patch_cosine2d"]
+__all__ = ["pair", "check_padding", "conv_arguments", "explicit_padding", "output_size", "patch_cosine2d"]
 
 
 def pair(value, name: str, minimum: int) -> tuple[int, int]:
@@ -52,6 +53,18 @@ def check_padding(padding) -> str | tuple[int, int]:
             raise ValueError(f"padding must be 'valid', 'same', an integer >= 0 or a pair, got {padding!r}")
         return padding
     return pair(padding, "padding", 0)
+
+
+def conv_arguments(in_channels: int, out_channels: int, kernel_size, stride, padding, dilation, groups: int):
+    """The checked ``nn.Conv2d`` geometry of a patch layer: (kernel_size, stride, padding, dilation) as pairs
+    (padding may stay ``"valid"`` / ``"same"``); channel counts >= 1 and divisible by ``groups``."""
+    for name, value in {"in_channels": in_channels, "out_channels": out_channels, "groups": groups}.items():
+        integer(name, value, at_least=1)
+    if in_channels % groups or out_channels % groups:
+        raise ValueError(f"in_channels ({in_channels}) and out_channels ({out_channels}) must be divisible "
+                         f"by groups ({groups})")
+    return (pair(kernel_size, "kernel_size", 1), pair(stride, "stride", 1), check_padding(padding),
+            pair(dilation, "dilation", 1))
 
 
 def explicit_padding(x: Tensor, padding, kernel_size, stride, dilation) -> tuple[Tensor, tuple[int, int]]:

@@ -34,7 +34,7 @@ from .energy import METRICS, hyperspherical_energy
 
 __all__ = [
     "LAYER_KINDS", "output_layer", "select_layers", "Regularizer", "orthonormality_penalty", "Orthonormality",
-    "ConvSimilarity", "model_similarity", "iterative_initialization", "MHE",
+    "ConvSimilarity", "model_similarity", "iterative_initialization", "MHE", "network_energy",
 ]
 
 LAYER_KINDS = ("conv", "linear")
@@ -73,6 +73,13 @@ def select_layers(model: nn.Module, kinds: tuple[str, ...] = LAYER_KINDS,
             if include_output or module is not output:
                 chosen.append(module)
     return chosen
+
+
+@torch.no_grad()
+def network_energy(layers: list[nn.Module], s: float = 2.0, half_space: bool = True) -> float:
+    """Sum over ``layers`` of the pair-mean energy of their neurons, as a number (half-space, s = 2 by
+    default: the measure of thesis Table 7.2; s = 1 is that of Figs. 6.1 and E.2)."""
+    return float(sum(hyperspherical_energy(m.weight.detach(), s, half_space=half_space) for m in layers))
 
 
 class Regularizer:

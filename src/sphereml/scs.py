@@ -42,8 +42,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
-from ._checks import integer, one_of, real_number
-from .patches import check_padding, output_size, pair, patch_cosine2d
+from ._checks import one_of, real_number
+from .patches import conv_arguments, output_size, pair, patch_cosine2d
 
 __all__ = ["P_PARAMS", "P_MIN", "sharpen", "scs_conv2d", "scs_conv2d_reference", "SharpenedCosineSimilarity2d",
            "max_abs_pool2d", "MaxAbsPool2d"]
@@ -177,14 +177,9 @@ class SharpenedCosineSimilarity2d(nn.Conv2d):
     def __init__(self, in_channels: int, out_channels: int, kernel_size, stride=1, padding=0, dilation=1,
                  groups: int = 1, bias: bool = False, p: float = 2.0, q: float = 1e-3, learnable: bool = False,
                  p_param: str = "exp", eps: float = 1e-6, device=None, dtype=None):
-        for name, value in {"in_channels": in_channels, "out_channels": out_channels, "groups": groups}.items():
-            integer(name, value, at_least=1)
-        if in_channels % groups or out_channels % groups:
-            raise ValueError(f"in_channels ({in_channels}) and out_channels ({out_channels}) must be divisible "
-                             f"by groups ({groups})")
-        kernel_size, stride, dilation = pair(kernel_size, "kernel_size", 1), pair(stride, "stride", 1), \
-            pair(dilation, "dilation", 1)
-        super().__init__(in_channels, out_channels, kernel_size, stride, check_padding(padding), dilation, groups,
+        kernel_size, stride, padding, dilation = conv_arguments(in_channels, out_channels, kernel_size, stride,
+                                                                padding, dilation, groups)
+        super().__init__(in_channels, out_channels, kernel_size, stride, padding, dilation, groups,
                          bias, "zeros", device=device, dtype=dtype)
         self.eps = real_number("eps", eps, above=0.0)
         self.learnable = bool(learnable)

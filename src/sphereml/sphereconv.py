@@ -36,7 +36,7 @@ from torch.nn.utils import parametrize
 from ._checks import integer, real_number
 from .angular import angular_activation, check_angular
 from .geometry import normalize
-from .patches import check_padding, output_size, pair, patch_cosine2d
+from .patches import conv_arguments, output_size, pair, patch_cosine2d
 
 __all__ = [
     "sphere_cosine2d", "sphere_conv2d", "sphere_conv2d_reference", "sphere_linear", "SphereConv2d", "SphereLinear",
@@ -201,14 +201,8 @@ class SphereConv2d(_SphereMixin, nn.Conv2d):
     def __init__(self, in_channels: int, out_channels: int, kernel_size, stride=1, padding=0, dilation=1,
                  groups: int = 1, bias: bool = False, padding_mode: str = "zeros", angular: str = "cosine",
                  k: float = 0.5, learnable_k: bool = False, eps: float = 1e-6, device=None, dtype=None):
-        for name, value in {"in_channels": in_channels, "out_channels": out_channels, "groups": groups}.items():
-            integer(name, value, at_least=1)
-        if in_channels % groups or out_channels % groups:
-            raise ValueError(f"in_channels ({in_channels}) and out_channels ({out_channels}) must be divisible "
-                             f"by groups ({groups})")
-        kernel_size, stride, dilation = pair(kernel_size, "kernel_size", 1), pair(stride, "stride", 1), \
-            pair(dilation, "dilation", 1)
-        padding = check_padding(padding)
+        kernel_size, stride, padding, dilation = conv_arguments(in_channels, out_channels, kernel_size, stride,
+                                                                padding, dilation, groups)
         factory = {"device": device, "dtype": dtype}
         super().__init__(in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias,
                          padding_mode, **factory)

@@ -22,7 +22,7 @@ import torch
 from . import _io
 from ._checks import integer
 
-__all__ = ["device_name", "environment", "median_seconds", "Comparison", "compare", "save_result"]
+__all__ = ["device_name", "environment", "median_seconds", "Comparison", "compare", "training_step", "save_result"]
 
 
 def device_name(device: torch.device | str) -> str:
@@ -68,6 +68,11 @@ class Comparison:
     def ratios(self) -> dict[str, float]:
         return {label: s / self.seconds[self.baseline] for label, s in self.seconds.items()}
 
+    @classmethod
+    def from_result(cls, result: dict, baseline: str) -> "Comparison":
+        """The comparison a saved benchmark result (``benchmarks/results/*.json``) holds, for printing."""
+        return cls(baseline, dict(result["seconds"]), {})
+
     def table(self, width: int = 28) -> str:
         """One line per candidate: median milliseconds and the ratio to the baseline."""
         return "\n".join(f"{label:{width}s} {1e3 * s:9.2f} ms   {self.ratios[label]:5.2f} x {self.baseline}"
@@ -103,6 +108,20 @@ def compare(candidates: dict[str, Callable[[], object]], baseline: str, device: 
             samples[label].append(time.perf_counter() - start)
     seconds = {label: statistics.median(t) for label, t in samples.items()}
     return Comparison(baseline, seconds, samples)
+
+
+def training_step(net: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, optimizer: torch.optim.Optimizer,
+                  regularizer: Callable[[], torch.Tensor] | None = None) -> Callable[[], None]:
+    """A candidate for :func:`compare`: one optimiser step of ``net`` on the batch (x, y), cross-entropy plus
+    ``regularizer()`` when given."""
+
+    def step():
+        optimizer.zero_grad(set_to_none=True)
+        loss = torch.nn.functional.cross_entropy(net(x), y)
+        (loss + regularizer() if regularizer is not None else loss).backward()
+        optimizer.step()
+
+    return step
 
 
 def save_result(result: dict, path: str | os.PathLike) -> Path:
