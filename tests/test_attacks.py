@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from sphereml.attacks import fgsm, pgd, robust_accuracy
+from sphereml.attacks import adversarial_loss, fgsm, pgd, robust_accuracy
 from sphereml.train import evaluate
 
 
@@ -65,3 +65,35 @@ def test_bad_arguments(call, message):
     model, x, y = _linear()
     with pytest.raises(ValueError, match=message):
         call(model, x, y)
+
+
+def test_black_box_transfer_attacks_the_source_and_evaluates_the_target():
+    model, x, y = _linear(3)
+    data = torch.utils.data.TensorDataset(x, y)
+    same = robust_accuracy(model, data, [0.0, 0.1], attack="fgsm", source=model)
+    assert same == robust_accuracy(model, data, [0.0, 0.1], attack="fgsm")  # source = target: white-box
+    other, _, _ = _linear(4)
+    other.train()
+    transferred = robust_accuracy(model, data, [0.0, 0.1], attack="fgsm", source=other)
+    assert other.training and transferred[0.0] == 1.0
+    x_other = fgsm(other.eval(), x, y, 0.1)  # by hand: FGSM examples of the other model, scored by this one
+    with torch.no_grad():
+        manual = float((model(x_other).argmax(1) == y).float().mean())
+    assert transferred[0.1] == pytest.approx(manual)
+
+
+def test_adversarial_loss_mixes_clean_and_fgsm_losses():
+    model, x, y = _linear(5)
+    clean = F.cross_entropy(model(x), y)
+    adversarial = F.cross_entropy(model(fgsm(model, x, y, 0.05)), y)
+    for weight in (0.0, 0.5, 1.0):
+        loss, logits = adversarial_loss(0.05, weight=weight)(model, x, y)
+        torch.testing.assert_close(loss, (1 - weight) * clean + weight * adversarial)
+        torch.testing.assert_close(logits, model(x))
+    loss, _ = adversarial_loss(0.05, attack="pgd", steps=2)(model, x, y)
+    loss.backward()
+    assert all(p.grad is not None for p in model.parameters())  # it trains the model
+    for kwargs, message in [(dict(eps=-1.0), "eps must be"), (dict(eps=0.1, weight=1.5), "weight must be"),
+                            (dict(eps=0.1, attack="cw"), "attack must be one of")]:
+        with pytest.raises(ValueError, match=message):
+            adversarial_loss(**kwargs)

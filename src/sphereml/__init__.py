@@ -8,11 +8,13 @@ One concept per module:
 * :mod:`~sphereml.schedules` — the lambda schedule that phases a multiplicative margin in.
 * :mod:`~sphereml.patches` — every receptive field's norm and its cosine to every kernel, by convolution.
 * :mod:`~sphereml.sphereconv` — SphereConv2d, SphereLinear, SphereNorm and the unfold reference.
+* :mod:`~sphereml.decoupled` — decoupled operators h(||w||, ||x||) g(theta) and their unfold reference.
+* :mod:`~sphereml.decoupled_training` — weight projection, weighted gradients, pretrained initialisation.
 * :mod:`~sphereml.scs` — sharpened cosine similarity, max-abs pooling and the unfold reference.
 * :mod:`~sphereml.energy` — hyperspherical energy with dense, tiled and Triton backends.
 * :mod:`~sphereml.convsim` — convolutional similarity of kernels (pure tensor math).
 * :mod:`~sphereml.regularizers` — regularisers bound to a model's layers once: orthonormality,
-  convolutional similarity, MHE.
+  orthogonality, convolutional similarity, MHE.
 * :mod:`~sphereml.comhe` — compressive MHE: random, angle-preserving, adversarial, group, bilateral projections.
 * :mod:`~sphereml.orthogonalizers` — Gram-Schmidt, Householder, Löwdin, Cayley, exp; the Cayley SGD step.
 * :mod:`~sphereml.opt` — orthogonal over-parameterised layers (OPT, PE-OPT, S-OPT), refinement, OGD.
@@ -20,23 +22,24 @@ One concept per module:
 * :mod:`~sphereml.data` — Fashion-MNIST, digits, CIFAR-10/100, synthetic sphere data.
 * :mod:`~sphereml.train` — ``fit`` / ``evaluate``: seeding, devices, history, checkpoints, callbacks.
 * :mod:`~sphereml.metrics` — accuracy, angular hardness and Fisher score, verification.
-* :mod:`~sphereml.attacks` — FGSM and PGD in the L-infinity ball, accuracy under attack.
+* :mod:`~sphereml.attacks` — FGSM and PGD in the L-infinity ball, accuracy under white- and black-box
+  attack, adversarial training.
 * :mod:`~sphereml.timing` — round-robin timing with ratios to a baseline.
 * :mod:`~sphereml.viz` — the book's plotting style and helpers.
 * :mod:`~sphereml.chapter` — the chapter runtime: profiles, figures, metrics, claim records.
 * ``sphereml.book`` — the papermill runner (``python -m sphereml.book``); not imported here.
 """
 
-from . import (angular, attacks, chapter, comhe, convsim, data, energy, geometry, margins, metrics, models, opt,
-               orthogonalizers, patches, regularizers, schedules, scs, sphereconv, timing, train, viz)
+from . import (angular, attacks, chapter, comhe, convsim, data, decoupled, decoupled_training, energy, geometry,
+               margins, metrics, models, opt, orthogonalizers, patches, regularizers, schedules, scs, sphereconv, timing, train, viz)
 from .geometry import angle_matrix, cosine_matrix, normalize, safe_angle, sample_sphere
 from .train import evaluate, fit, resolve_device, seed_everything
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "angular", "attacks", "chapter", "comhe", "convsim", "data", "energy", "geometry", "margins", "metrics", "models",
-    "opt", "orthogonalizers", "patches", "regularizers", "schedules", "scs", "sphereconv", "timing", "train", "viz",
+    "angular", "attacks", "chapter", "comhe", "convsim", "data", "decoupled", "decoupled_training", "energy",
+    "geometry", "margins", "metrics", "models", "opt", "orthogonalizers", "patches", "regularizers", "schedules", "scs", "sphereconv", "timing", "train", "viz",
     "normalize", "cosine_matrix", "safe_angle", "angle_matrix", "sample_sphere",
     "fit", "evaluate", "resolve_device", "seed_everything", "__version__",
 ]

@@ -7,9 +7,12 @@
 linear       1 - 2 theta / pi                                         eq. 3.2
 cosine       cos(theta)                                               eq. 3.3
 sigmoid      tanh((pi/2 - theta) / (2k)) / tanh(pi / (4k)),  k > 0    eq. 3.4
+sqcosine     sign(cos theta) cos^2 theta                              eq. 4.14
 ===========  ======================================================  =========
 
-All three map [0, pi] onto [1, -1] with g(pi/2) = 0 and g(pi - theta) = -g(theta).  The
+All four map [0, pi] onto [1, -1] with g(pi/2) = 0 and g(pi - theta) = -g(theta).  The first three
+(:data:`ANGULAR`) are SphereConv's and GA-Softmax's; square cosine (the decoupled networks' eq. 4.14,
+:data:`DECOUPLED_ANGULAR`) is computed as c |c| from c = cos(theta): C^1, with slope 0 at pi/2.  The
 sigmoid row is eq. 3.4 rewritten: the printed ratio of exponentials equals this tanh ratio
 exactly, and the tanh form cannot overflow (the printed form needs exp(pi / 2k), which is
 inf in float32 for k < 0.018).
@@ -37,16 +40,17 @@ from torch import Tensor
 
 from ._checks import one_of, real_number
 
-__all__ = ["ANGULAR", "check_angular", "check_k", "angular_function", "angular_activation", "stable_arccos",
+__all__ = ["ANGULAR", "DECOUPLED_ANGULAR", "check_angular", "check_k", "angular_function", "angular_activation", "stable_arccos",
            "inverse_sine"]
 
-ANGULAR = ("linear", "cosine", "sigmoid")
+ANGULAR = ("linear", "cosine", "sigmoid")  # SphereConv (Ch. 3) and GA-Softmax
+DECOUPLED_ANGULAR = ANGULAR + ("sqcosine",)  # the decoupled operators (Ch. 4, eqs. 4.11-4.14)
 POLE_FLOOR = 1e-10  # floor on 1 - c^2 in d arccos / dc, Note [angle for linear and sigmoid]
 
 
-def check_angular(angular: str) -> str:
-    """``angular`` if it names one of :data:`ANGULAR`, else a ``ValueError``."""
-    return one_of("angular", angular, ANGULAR)
+def check_angular(angular: str, choices: tuple[str, ...] = ANGULAR) -> str:
+    """``angular`` if it names one of ``choices`` (default :data:`ANGULAR`), else a ``ValueError``."""
+    return one_of("angular", angular, choices)
 
 
 def check_k(k) -> float | Tensor:
@@ -58,21 +62,24 @@ def check_k(k) -> float | Tensor:
 
 
 def angular_function(theta: Tensor, angular: str = "cosine", k: float | Tensor = 0.5) -> Tensor:
-    """g(theta) of eqs. 3.2-3.4 evaluated at angles ``theta`` (any real values, for g(m theta) too).
+    """g(theta) of eqs. 3.2-3.4 and 4.14 evaluated at angles ``theta`` (any real values, for g(m theta) too).
 
     Args:
         theta (Tensor): angles; [0, pi] for the output range [-1, 1].
-        angular (str): ``"linear"``, ``"cosine"`` or ``"sigmoid"``.
+        angular (str): ``"linear"``, ``"cosine"``, ``"sigmoid"`` or ``"sqcosine"``.
         k (float or Tensor): sigmoid curvature > 0 (broadcast against ``theta``).
 
     Returns:
         Tensor shaped like ``theta`` (broadcast with ``k``).
     """
-    angular = check_angular(angular)
+    angular = check_angular(angular, DECOUPLED_ANGULAR)
     if angular == "linear":
         return 1.0 - theta * (2.0 / math.pi)
     if angular == "cosine":
         return torch.cos(theta)
+    if angular == "sqcosine":
+        cos = torch.cos(theta)
+        return torch.sign(cos) * cos.square()
     k = check_k(k)
     scale = math.tanh(math.pi / (4.0 * k)) if not isinstance(k, Tensor) else torch.tanh(math.pi / (4.0 * k))
     return torch.tanh((math.pi / 2.0 - theta) / (2.0 * k)) / scale
@@ -178,9 +185,11 @@ def angular_activation(cos: Tensor, angular: str = "cosine", k: float | Tensor =
     Returns:
         Tensor shaped like ``cos`` with values in [-1, 1].
     """
-    angular = check_angular(angular)
+    angular = check_angular(angular, DECOUPLED_ANGULAR)
     if angular == "cosine":
         return cos
+    if angular == "sqcosine":
+        return cos * cos.abs()
     if angular == "linear":
         return _LinearFromCos.apply(cos)
     k = check_k(k)

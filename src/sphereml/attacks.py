@@ -1,4 +1,5 @@
-"""White-box adversarial attacks in the L-infinity ball: FGSM and PGD, and accuracy under attack.
+"""Adversarial attacks in the L-infinity ball: FGSM and PGD, accuracy under attack (white-box, or black-box
+transferred from a substitute model), and FGSM adversarial training.
 
 FGSM (Goodfellow et al., 2015) takes one step of size eps along the sign of the input gradient of the
 loss; PGD (Madry et al., 2018) takes ``steps`` steps of ``step_size`` from a random start in the ball,
@@ -7,6 +8,12 @@ cross-entropy of ``model(x)`` (the margin-free logits of a :class:`~sphereml.mod
 The decoupled-networks chapter (thesis App. C: eps = 8/255, step 2/255, 20 steps) and the sharpened
 cosine chapter (an eps sweep, as the paper's Sec. 4.5) use them.  The model's parameters get no
 gradient, and its train / eval mode is left as it was found (attack in eval mode).
+
+Black-box transfer (thesis App. C.1.3): the adversarial examples are computed on a substitute
+(``source``) network of the same architecture trained separately, and the target network is
+evaluated on them.  Adversarial training (Goodfellow et al.'s objective, which App. C.1.3 uses with
+FGSM) minimises (1 - w) L(x) + w L(x_adv) with w = 1/2, the examples made on the fly by the model
+being trained (:func:`adversarial_loss`).
 """
 
 from __future__ import annotations
@@ -19,7 +26,7 @@ from torch.utils.data import Dataset
 from ._checks import integer, one_of, real_number
 from .train import batches
 
-__all__ = ["ATTACKS", "fgsm", "pgd", "robust_accuracy"]
+__all__ = ["ATTACKS", "fgsm", "pgd", "robust_accuracy", "adversarial_loss"]
 
 ATTACKS = ("fgsm", "pgd")
 
@@ -80,12 +87,21 @@ def pgd(model: nn.Module, x: Tensor, y: Tensor, eps: float, step_size: float | N
     return x_adv.detach()
 
 
+def _attack(attack: str, model: nn.Module, x: Tensor, y: Tensor, eps: float, generator, **kwargs) -> Tensor:
+    if attack == "fgsm":
+        return fgsm(model, x, y, eps, **kwargs)
+    return pgd(model, x, y, eps, generator=generator, **kwargs)
+
+
 def robust_accuracy(model: nn.Module, data: Dataset, eps_values, attack: str = "pgd", batch_size: int = 256,
-                    device: str | torch.device = "cpu", seed: int = 0, **attack_kwargs) -> dict[float, float]:
+                    device: str | torch.device = "cpu", seed: int = 0, source: nn.Module | None = None,
+                    **attack_kwargs) -> dict[float, float]:
     """Accuracy of ``model`` on ``data`` attacked at each radius in ``eps_values`` (eps = 0: clean accuracy).
 
     The model is attacked and evaluated in eval mode (its previous mode is restored); PGD's random
     starts are seeded by ``seed``.  Extra keyword arguments go to the attack (``steps``, ``step_size``).
+    With ``source`` (a substitute network) the attack is black-box: the examples are made on ``source``
+    (also in eval mode) and ``model`` is evaluated on them.
 
     Returns:
         {eps: accuracy} in the order of ``eps_values``.
@@ -93,22 +109,51 @@ def robust_accuracy(model: nn.Module, data: Dataset, eps_values, attack: str = "
     one_of("attack", attack, ATTACKS)
     integer("batch_size", batch_size, at_least=1)
     dev = torch.device(device)
-    was_training = model.training
+    attacked = model if source is None else source
+    modes = [(m, m.training) for m in (model, attacked)]
     model.eval()
+    attacked.eval()
     generator = torch.Generator().manual_seed(seed)
     correct = {float(eps): 0 for eps in eps_values}
     seen = 0
     for batch in batches(data, batch_size):
         x, y = (t.to(dev) for t in batch)
         for eps in correct:
-            if eps == 0:
-                x_eval = x
-            elif attack == "fgsm":
-                x_eval = fgsm(model, x, y, eps, **attack_kwargs)
-            else:
-                x_eval = pgd(model, x, y, eps, generator=generator, **attack_kwargs)
+            x_eval = x if eps == 0 else _attack(attack, attacked, x, y, eps, generator, **attack_kwargs)
             with torch.no_grad():
                 correct[eps] += int((model(x_eval).argmax(1) == y).sum())
         seen += len(y)
-    model.train(was_training)
+    for module, mode in reversed(modes):
+        module.train(mode)
     return {eps: c / max(seen, 1) for eps, c in correct.items()}
+
+
+def adversarial_loss(eps: float, attack: str = "fgsm", weight: float = 0.5, seed: int = 0, **attack_kwargs):
+    """A ``loss_fn`` for :func:`~sphereml.train.fit` that trains on adversarial examples (App. C.1.3).
+
+    Each step the examples are made by ``attack`` on the model being trained, in its training mode, and the
+    loss is (1 - weight) CE(model(x), y) + weight CE(model(x_adv), y); the clean logits are returned (for
+    the running training accuracy).
+
+    Args:
+        eps (float): radius of the L-infinity ball, >= 0 (App. C: 8/255).
+        attack (str): ``"fgsm"`` (the thesis's choice) or ``"pgd"``.
+        weight (float): the adversarial share of the loss, in [0, 1]. Default: 0.5.
+        seed (int): seeds PGD's random starts.
+        **attack_kwargs: go to the attack (``steps``, ``step_size``).
+
+    Returns:
+        callable(model, x, y) -> (loss, logits).
+    """
+    eps = real_number("eps", eps, at_least=0.0)
+    one_of("attack", attack, ATTACKS)
+    weight = real_number("weight", weight, at_least=0.0, at_most=1.0)
+    generator = torch.Generator().manual_seed(integer("seed", seed, at_least=0))
+
+    def loss_fn(model: nn.Module, x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
+        x_adv = _attack(attack, model, x, y, eps, generator, **attack_kwargs)
+        logits = model(x)
+        loss = (1.0 - weight) * F.cross_entropy(logits, y) + weight * F.cross_entropy(model(x_adv), y)
+        return loss, logits
+
+    return loss_fn

@@ -18,6 +18,8 @@ Regularisers:
 
 * :class:`Orthonormality` — beta * sum ||W W^T - I||_F^2 over the flattened kernels (thesis §3.2.4;
   the baseline of the MHE chapter and the "kernel orthogonality" of the convolutional-similarity paper).
+* :class:`Orthogonality` — beta * sum ||W W^T - diag(W W^T)||_F^2: orthogonal but not unit kernels, the
+  decoupled networks' replacement for weight decay (thesis §4.5, App. C.1).
 * :class:`ConvSimilarity` — beta * sum over conv layers of L_CS (convolutional-similarity paper, Algorithm 2);
   :func:`model_similarity` and :func:`iterative_initialization` (its Algorithm 1) walk the same layers.
 * :class:`MHE` — minimum hyperspherical energy on hidden and output layers (thesis eq. 5.4).
@@ -34,6 +36,7 @@ from .energy import METRICS, hyperspherical_energy
 
 __all__ = [
     "LAYER_KINDS", "output_layer", "select_layers", "Regularizer", "orthonormality_penalty", "Orthonormality",
+    "orthogonality_penalty", "Orthogonality",
     "ConvSimilarity", "model_similarity", "iterative_initialization", "MHE", "network_energy",
 ]
 
@@ -119,6 +122,19 @@ def orthonormality_penalty(weight: Tensor) -> Tensor:
     return (gram - torch.eye(len(rows), dtype=gram.dtype, device=gram.device)).pow(2).sum()
 
 
+def orthogonality_penalty(weight: Tensor) -> Tensor:
+    """||W W^T - diag(W W^T)||_F^2 (thesis §4.5): the squared inner products of distinct flattened kernels.
+
+    Zero exactly when the rows are mutually orthogonal, whatever their norms (unlike
+    :func:`orthonormality_penalty`), so it leaves the kernel norms to the decoupled operators.
+    """
+    if weight.dim() < 2:
+        raise ValueError(f"weight must have an output axis and at least one input axis, got {tuple(weight.shape)}")
+    rows = weight.flatten(1)  # (S, C*k*k)
+    gram = rows @ rows.T  # (S, S)
+    return gram.pow(2).sum() - gram.diagonal().pow(2).sum()
+
+
 class Orthonormality(Regularizer):
     """beta * sum over layers of :func:`orthonormality_penalty`.
 
@@ -135,6 +151,14 @@ class Orthonormality(Regularizer):
 
     def penalty(self) -> Tensor:
         return sum(orthonormality_penalty(m.weight) for m in self.layers)
+
+
+class Orthogonality(Orthonormality):
+    """beta * sum over layers of :func:`orthogonality_penalty` (the decoupled networks' regulariser, §4.5);
+    arguments as :class:`Orthonormality`.  The thesis gives no beta; the default is 1e-3."""
+
+    def penalty(self) -> Tensor:
+        return sum(orthogonality_penalty(m.weight) for m in self.layers)
 
 
 def _layers_similarity(layers: list[nn.Module], mode: str | int, method: str, normalized: bool) -> Tensor:

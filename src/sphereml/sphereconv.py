@@ -40,7 +40,7 @@ from .patches import conv_arguments, output_size, pair, patch_cosine2d
 
 __all__ = [
     "sphere_cosine2d", "sphere_conv2d", "sphere_conv2d_reference", "sphere_linear", "SphereConv2d", "SphereLinear",
-    "SphereNorm", "K_FLOOR",
+    "SphereNorm", "K_FLOOR", "Positive",
 ]
 
 
@@ -140,16 +140,21 @@ def sphere_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, angular
 K_FLOOR = 1e-3  # learned k never goes below this: g is already a step there (and softplus underflows)
 
 
-class _Positive(nn.Module):
-    """Parametrisation k = K_FLOOR + softplus(r); ``right_inverse`` makes ``layer.k = value`` work."""
+class Positive(nn.Module):
+    """Parametrisation value = floor + softplus(raw) of a learned positive quantity (SphereConv's k, a
+    decoupled operator's radius rho); ``right_inverse`` makes ``layer.k = value`` work."""
+
+    def __init__(self, floor: float = K_FLOOR, name: str = "k"):
+        super().__init__()
+        self.floor, self.name = floor, name
 
     def forward(self, raw: Tensor) -> Tensor:
-        return K_FLOOR + F.softplus(raw)
+        return self.floor + F.softplus(raw)
 
-    def right_inverse(self, k: Tensor) -> Tensor:
-        if bool((k <= K_FLOOR).any()):
-            raise ValueError(f"a learned k must be > {K_FLOOR}")
-        excess = k - K_FLOOR
+    def right_inverse(self, value: Tensor) -> Tensor:
+        if bool((value <= self.floor).any()):
+            raise ValueError(f"a learned {self.name} must be > {self.floor}")
+        excess = value - self.floor
         return excess + torch.log(-torch.expm1(-excess))  # softplus^{-1}(y) = log(e^y - 1), stable form
 
 
@@ -166,7 +171,7 @@ class _SphereMixin:
             if self.angular != "sigmoid":
                 raise ValueError(f"learnable_k needs angular='sigmoid', got {self.angular!r}")
             self.k = nn.Parameter(torch.full((out_features,), k, **factory))
-            parametrize.register_parametrization(self, "k", _Positive())
+            parametrize.register_parametrization(self, "k", Positive())
         else:
             self.k = k
 

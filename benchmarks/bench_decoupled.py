@@ -1,0 +1,44 @@
+"""Forward + backward of ``DecoupledConv2d`` against ``nn.Conv2d`` of the same shape, timed in the same run.
+
+Candidates: ``nn.Conv2d`` (the baseline), the operator the issue names (TanhConv x cosine with the radius
+normalised by E{||x||}, thesis eq. C.1), the same with a learned rho, SegConv x square cosine (the
+best no-ReLU operator of Table 4.3), the readable unfold definition
+(:func:`~sphereml.decoupled.decoupled_conv2d_reference`), and on CUDA the TanhConv layer under
+``torch.compile``.  B=32, 64 -> 64 channels, 32x32, 3x3 (and B=128, 128 channels on CUDA).
+Goal: TanhConv x cosine at most 1.5x Conv2d.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sphereml.decoupled import DecoupledConv2d, decoupled_conv2d_reference
+
+from .harness import compare, forward_backward
+
+K = 3
+SIZES = [(32, 64, 32), (128, 128, 32)]  # (batch, channels, side); the second on CUDA only
+
+
+def run(device: torch.device, sizes: list[tuple[int, int, int]] | None = None, repeats: int = 20) -> dict:
+    results = {}
+    for b, c, side in sizes or (SIZES if device.type == "cuda" else SIZES[:1]):
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(b, c, side, side, generator=g).to(device).requires_grad_(True)
+        target = torch.randn(b, c, side, side, generator=g).to(device)
+        conv = torch.nn.Conv2d(c, c, K, padding=1, bias=False).to(device)
+        tanh = DecoupledConv2d(c, c, K, padding=1, magnitude="tanh", radius_norm=True).to(device)
+        learned = DecoupledConv2d(c, c, K, padding=1, magnitude="tanh", radius_norm=True,
+                                  learnable_rho=True).to(device)
+        seg = DecoupledConv2d(c, c, K, padding=1, magnitude="seg", angular="sqcosine").to(device)
+        operators = {"nn.Conv2d": conv, "TanhConv cosine, rho E{||x||}": tanh,
+                     "TanhConv cosine, learned rho": learned, "SegConv square cosine": seg,
+                     "unfold definition (tanh)": lambda inp: decoupled_conv2d_reference(
+                         inp, tanh.weight, padding=1, magnitude="tanh", radius=1.0)}
+        if device.type == "cuda":
+            operators["TanhConv cosine (compiled)"] = torch.compile(tanh)
+        name = "decoupled_fwd_bwd" if (b, c, side) == SIZES[0] else f"decoupled_fwd_bwd_b{b}_c{c}_s{side}"
+        print(f"--- decoupled operators, B={b}, {c} -> {c} channels, {side}x{side}")
+        results[name] = compare(name, forward_backward(operators, x, target), baseline="nn.Conv2d", device=device,
+                                repeats=repeats, extra={"batch": b, "channels": c, "size": side, "kernel": K})
+    return results

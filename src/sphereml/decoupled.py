@@ -1,0 +1,440 @@
+"""Decoupled operators (thesis Ch. 4, App. C): f(w, x) = h(||w||, ||x||) g(theta) (eq. 4.3).
+
+A convolution scores a patch x against a kernel w by w . x = ||w|| ||x|| cos(theta).  A decoupled
+operator keeps the two factors apart and replaces each: the *magnitude function* h of the norms
+(intra-class variation) and the *angular activation* g of the angle (semantic difference).
+
+=============  ================================================  ========  =================
+``magnitude``  h(||x||), radius r                                 thesis    bounded
+=============  ================================================  ========  =================
+sphere         alpha                                              eq. 4.4   |f| <= alpha
+ball           alpha min(||x||, r) / r                            eq. 4.5   |f| <= alpha
+tanh           alpha tanh(||x|| / r)                              eq. 4.6   |f| <= alpha
+linear         alpha ||x||                                        eq. 4.7   no
+seg            alpha ||x|| if ||x|| <= r, else                    eq. 4.8   no (beta > 0)
+               beta ||x|| + (alpha - beta) r
+log            alpha log(1 + ||x||)                               eq. 4.9   no
+mix            alpha ||x|| + beta log(1 + ||x||)                  eq. 4.10  no
+=============  ================================================  ========  =================
+
+``angular`` is any of :data:`~sphereml.angular.DECOUPLED_ANGULAR`: linear, cosine, sigmoid
+(eqs. 4.11-4.13, the SphereConv functions) and square cosine sign(cos) cos^2 (eq. 4.14).  beta
+defaults to App. C.2's values: 0.5 for SegConv, 1 for MixConv.
+
+These *unweighted* operators drop ||w||: every kernel counts the same, and rescaling a kernel
+leaves the output unchanged (which is why weight projection, :func:`project_weights`, is safe for
+them; the optimisation aids of §4.4 are in :mod:`sphereml.decoupled_training`).  ``weighted`` gives the weighted forms of §4.3.5:
+
+* ``"linear"`` (or True): ||w|| multiplies h.  Linearly weighted LinearConv with cosine g and
+  alpha = 1 is ordinary convolution, ||w|| ||x|| cos(theta) = w . x.
+* ``"tanh_joint"`` (eq. 4.15): alpha tanh(||x|| ||w|| / r) g(theta).
+* ``"tanh_separate"`` (eq. 4.16): alpha tanh(||w|| / rho) tanh(||x|| / r) g(theta).
+
+Note [radius normalisation]
+    In the experiments (App. C.2, eqs. C.1-C.3) the radius of BallConv, TanhConv and SegConv is
+    r = rho E{||x||}, with rho learnable (initialised to 1) and E{||x||} a moving average of the
+    layer's patch norms, "similar to BN": without it most radii in the middle layers never move.
+    The seeds do not say whether training uses the batch mean or the average; we use the batch
+    mean in training (as BatchNorm does) and the running average, a no-grad buffer updated with
+    momentum 0.1 (its first update copies the batch mean), in evaluation.  The seeds keep one mean
+    per kernel; in a convolution every kernel sees the same patches, so one scalar per layer is the
+    same thing.  With ``radius_norm=True`` a train-mode output is invariant to rescaling the input.
+
+Note [decoupled operator by convolution]
+    Like SphereConv (:mod:`sphereml.patches`), nothing is unfolded: u = conv(x, w_hat) is one
+    ordinary convolution and the patch norms n come from a depthwise convolution of the summed
+    x^2.  For cosine g the output is u h(n) / n: the factor h(n) / n lives on a Tensor[B, G, H', W']
+    (one value per position, not per channel), so the layer costs one convolution plus one
+    broadcast multiplication on the output.  Other g need cos = u / n on the output.  n is floored
+    at ``eps``, so a zero patch gives u = 0, cos = 0 = g(pi/2) and output 0 with finite gradients.
+    :func:`decoupled_conv2d_reference` computes the definition patch by patch, for the tests.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.nn.utils import parametrize
+
+from ._checks import integer, one_of, real_number
+from .angular import DECOUPLED_ANGULAR, angular_activation, angular_function, check_angular, check_k
+from .patches import conv_arguments, explicit_padding, output_size, pair
+from .sphereconv import Positive
+
+__all__ = [
+    "MAGNITUDES", "RADIUS_MAGNITUDES", "BOUNDED_MAGNITUDES", "WEIGHTINGS", "default_beta", "magnitude_function",
+    "patch_norm2d", "decoupled_conv2d", "decoupled_conv2d_reference", "decoupled_linear", "DecoupledConv2d",
+    "DecoupledLinear", "decoupled_layers", "decoupled_factory", "RHO_FLOOR",
+]
+
+MAGNITUDES = ("sphere", "ball", "tanh", "linear", "seg", "log", "mix")
+RADIUS_MAGNITUDES = ("ball", "tanh", "seg")  # the operators with a radius rho (eqs. 4.5, 4.6, 4.8)
+BOUNDED_MAGNITUDES = ("sphere", "ball", "tanh")
+WEIGHTINGS = ("linear", "tanh_joint", "tanh_separate")  # §4.3.5: ||w|| times h, eq. 4.15, eq. 4.16
+_DEFAULT_BETA = {"seg": 0.5, "mix": 1.0}  # App. C.2
+RHO_FLOOR = 1e-3  # a learned rho stays above this (softplus parametrisation)
+
+
+def default_beta(magnitude: str, beta: float | None = None) -> float:
+    """beta of SegConv / MixConv: ``beta`` when given, else App. C.2's 0.5 (seg) or 1 (mix); 0 otherwise."""
+    if beta is not None:
+        return real_number("beta", beta, at_least=0.0)
+    return _DEFAULT_BETA.get(magnitude, 0.0)
+
+
+def _check_magnitude(magnitude: str) -> str:
+    return one_of("magnitude", magnitude, MAGNITUDES)
+
+
+def _check_weighted(weighted, magnitude: str) -> str | None:
+    """None (unweighted), "linear", "tanh_joint" or "tanh_separate" (the last two need TanhConv)."""
+    if weighted is False or weighted is None:
+        return None
+    weighted = "linear" if weighted is True else one_of("weighted", weighted, WEIGHTINGS)
+    if weighted != "linear" and magnitude != "tanh":
+        raise ValueError(f"weighted={weighted!r} is a form of TanhConv (eqs. 4.15-4.16); got magnitude={magnitude!r}")
+    return weighted
+
+
+def magnitude_function(norm: Tensor, magnitude: str = "tanh", alpha: float = 1.0, beta: float | None = None,
+                       radius: float | Tensor = 1.0) -> Tensor:
+    """h(||x||) of eqs. 4.4-4.10 (see the module table) at the norms ``norm``.
+
+    Args:
+        norm (Tensor): patch (or input) norms >= 0.
+        magnitude (str): one of :data:`MAGNITUDES`.
+        alpha (float), beta (float, optional): the operator's constants (beta: SegConv's slope beyond the
+            radius, MixConv's log weight; default :func:`default_beta`).
+        radius (float or Tensor): r for ball, tanh and seg (rho, or rho E{||x||}); broadcast against ``norm``.
+
+    Returns:
+        Tensor shaped like ``norm`` (broadcast with ``radius``).
+    """
+    magnitude = _check_magnitude(magnitude)
+    beta = default_beta(magnitude, beta)
+    if magnitude == "sphere":
+        return torch.full_like(norm, alpha)
+    if magnitude == "ball":
+        return alpha * torch.clamp(norm / radius, max=1.0)
+    if magnitude == "tanh":
+        return alpha * torch.tanh(norm / radius)
+    if magnitude == "linear":
+        return alpha * norm
+    if magnitude == "seg":
+        return torch.where(norm <= radius, alpha * norm, beta * norm + (alpha - beta) * radius)
+    if magnitude == "log":
+        return alpha * torch.log1p(norm)
+    return alpha * norm + beta * torch.log1p(norm)
+
+
+def _magnitude_over_norm(norm: Tensor, magnitude: str, alpha: float, beta: float, radius) -> Tensor:
+    """h(n) / n for n >= eps > 0, in the forms that stay exact for small n (the cosine fast path)."""
+    if magnitude == "linear":
+        return torch.full_like(norm, alpha)
+    if magnitude == "ball":
+        return alpha / torch.maximum(norm, torch.as_tensor(radius, dtype=norm.dtype, device=norm.device))
+    return magnitude_function(norm, magnitude, alpha, beta, radius) / norm
+
+
+def patch_norm2d(x: Tensor, kernel_size, stride=1, padding=0, dilation=1, groups: int = 1,
+                 eps: float = 1e-6) -> Tensor:
+    """||x|| of every receptive-field patch of each channel group, floored at ``eps``
+    (Note [patch norm by convolution] in :mod:`sphereml.patches`; integer padding).
+
+    Returns:
+        Tensor[B, groups, H', W'].
+    """
+    b, c, h, w = x.shape
+    energy = x.square().reshape(b, groups, c // groups, h, w).sum(2)  # (B, G, H, W)
+    ones = energy.new_ones(groups, 1, *pair(kernel_size, "kernel_size", 1))
+    squares = F.conv2d(energy, ones, None, stride, padding, dilation, groups)  # (B, G, H', W')
+    return squares.clamp_min(eps * eps).sqrt()
+
+
+def _per_channel(norm: Tensor, channels: int) -> Tensor:
+    """Patch norms Tensor[B, G, ...] repeated to Tensor[B, C, ...] (as is when G = 1, by broadcasting)."""
+    groups = norm.shape[1]
+    return norm if groups == 1 else norm.repeat_interleave(channels // groups, dim=1)
+
+
+def _response(inner: Tensor, norm: Tensor, w_norm: Tensor, magnitude: str, angular: str, alpha: float,
+              beta: float, radius, rho, k, weighted: str | None) -> Tensor:
+    """h g from u = w_hat . x (Tensor[B, C, ...]), the patch norms (Tensor[B, G, ...]) and ||w|| (Tensor[C])."""
+    shape = (-1,) + (1,) * (inner.dim() - 2)  # ||w|| broadcast over the channel axis
+    w_norm = w_norm.view(shape)
+    if weighted == "tanh_joint":  # eq. 4.15: alpha tanh(||x|| ||w|| / r) g
+        n = _per_channel(norm, inner.shape[1])
+        h = alpha * torch.tanh(n * w_norm / radius)
+        return h * angular_activation((inner / n).clamp(-1.0, 1.0), angular, k)
+    if angular == "cosine":  # Note [decoupled operator by convolution]: u h(n) / n
+        out = inner * _per_channel(_magnitude_over_norm(norm, magnitude, alpha, beta, radius), inner.shape[1])
+    else:
+        n = _per_channel(norm, inner.shape[1])
+        g = angular_activation((inner / n).clamp(-1.0, 1.0), angular, k)
+        out = g * _per_channel(magnitude_function(norm, magnitude, alpha, beta, radius), inner.shape[1])
+    if weighted == "linear":
+        out = out * w_norm
+    elif weighted == "tanh_separate":  # eq. 4.16: alpha tanh(||w|| / rho) tanh(||x|| / r) g
+        out = out * torch.tanh(w_norm / rho)
+    return out
+
+
+def _radius(rho, norm_mean):
+    return rho if norm_mean is None else rho * norm_mean
+
+
+def decoupled_conv2d(x: Tensor, weight: Tensor, stride=1, padding=0, dilation=1, groups: int = 1,
+                     magnitude: str = "tanh", angular: str = "cosine", alpha: float = 1.0, beta: float | None = None,
+                     rho: float | Tensor = 1.0, k: float | Tensor = 0.5, weighted=False,
+                     norm_mean: float | Tensor | None = None, eps: float = 1e-6) -> Tensor:
+    """The decoupled operator f = h(||w||, ||x||) g(theta) (eq. 4.3) for every kernel and patch.
+
+    Args:
+        x (Tensor[B, C_in, H, W]), weight (Tensor[C_out, C_in / groups, k_h, k_w]): input and kernels.
+        stride, padding, dilation, groups: as in :func:`torch.nn.functional.conv2d` (padding may be
+            ``"valid"`` or ``"same"``).
+        magnitude (str), angular (str), alpha, beta: see the module table.
+        rho (float or Tensor): the radius (ball, tanh, seg; also the ||w|| scale of eq. 4.16).
+        k (float or Tensor): the sigmoid curvature.
+        weighted: False, True / ``"linear"``, ``"tanh_joint"`` (eq. 4.15) or ``"tanh_separate"`` (eq. 4.16).
+        norm_mean (float or Tensor, optional): E{||x||}; the radius becomes rho E{||x||}
+            (Note [radius normalisation]).
+        eps (float): patch-norm floor (a zero patch outputs 0).
+
+    Returns:
+        Tensor[B, C_out, H', W'].
+    """
+    magnitude, weighted = _check_magnitude(magnitude), _check_weighted(weighted, magnitude)
+    angular = check_angular(angular, DECOUPLED_ANGULAR)
+    beta = default_beta(magnitude, beta)
+    kernel_size = tuple(weight.shape[2:])
+    stride, dilation = pair(stride, "stride", 1), pair(dilation, "dilation", 1)
+    x, padding = explicit_padding(x, padding, kernel_size, stride, dilation)
+    w_norm = weight.flatten(1).norm(dim=1).clamp_min(eps)  # (C_out,)
+    w_hat = weight / w_norm.view(-1, 1, 1, 1)
+    inner = F.conv2d(x, w_hat, None, stride, padding, dilation, groups)  # (B, C_out, H', W')
+    norm = patch_norm2d(x, kernel_size, stride, padding, dilation, groups, eps)  # (B, G, H', W')
+    return _response(inner, norm, w_norm, magnitude, angular, alpha, beta, _radius(rho, norm_mean), rho, k,
+                     weighted)
+
+
+def decoupled_linear(x: Tensor, weight: Tensor, magnitude: str = "tanh", angular: str = "cosine",
+                     alpha: float = 1.0, beta: float | None = None, rho: float | Tensor = 1.0,
+                     k: float | Tensor = 0.5, weighted=False, norm_mean: float | Tensor | None = None,
+                     eps: float = 1e-6) -> Tensor:
+    """The decoupled operator on a fully connected layer: x (Tensor[..., in]) against each row of
+    ``weight`` (Tensor[out, in]); other arguments as in :func:`decoupled_conv2d`.  Returns Tensor[..., out]."""
+    magnitude, weighted = _check_magnitude(magnitude), _check_weighted(weighted, magnitude)
+    angular = check_angular(angular, DECOUPLED_ANGULAR)
+    w_norm = weight.norm(dim=1).clamp_min(eps)
+    flat = x.reshape(-1, x.shape[-1])
+    inner = F.linear(flat, weight / w_norm[:, None]).unsqueeze(-1)  # (N, out, 1): units on axis 1
+    norm = flat.square().sum(-1).clamp_min(eps * eps).sqrt().view(-1, 1, 1)  # (N, 1, 1)
+    out = _response(inner, norm, w_norm, magnitude, angular, alpha, default_beta(magnitude, beta),
+                    _radius(rho, norm_mean), rho, k, weighted)
+    return out.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def decoupled_conv2d_reference(x: Tensor, weight: Tensor, stride=1, padding=0, dilation=1, groups: int = 1,
+                               magnitude: str = "tanh", angular: str = "cosine", alpha: float = 1.0,
+                               beta: float | None = None, radius: float = 1.0, rho: float = 1.0, k: float = 0.5,
+                               weighted=False) -> Tensor:
+    """The decoupled operator by its definition, patch by patch (``unfold``): the readable reference of
+    :func:`decoupled_conv2d`, for tests and benchmarks.
+
+    Every receptive field x and kernel w are flattened; ||x||, ||w|| and theta = arccos(w . x / (||w|| ||x||))
+    are taken, and f = h g is evaluated from eq. 4.3 with h of eqs. 4.4-4.10 (:func:`magnitude_function`),
+    g of eqs. 4.11-4.14 evaluated at the angle, and the weighted forms of §4.3.5.  ``radius`` is r (already
+    rho E{||x||} for a radius-normalised layer); ``rho`` is the ||w|| scale of eq. 4.16.  Integer padding;
+    no floor: a zero patch gives NaN here.
+
+    Returns:
+        Tensor[B, C_out, H', W'].
+    """
+    weighted = _check_weighted(weighted, _check_magnitude(magnitude))
+    b, c_out = x.shape[0], weight.shape[0]
+    kernel = tuple(weight.shape[2:])
+    outs = []
+    for g in range(groups):
+        xs = x[:, g * x.shape[1] // groups:(g + 1) * x.shape[1] // groups]
+        ws = weight[g * c_out // groups:(g + 1) * c_out // groups].flatten(1)  # (C_out/G, D)
+        patches = F.unfold(xs, kernel, dilation=dilation, padding=padding, stride=stride)  # (B, D, L)
+        x_norm = patches.norm(dim=1)[:, None, :]  # (B, 1, L)
+        w_norm = ws.norm(dim=1)[None, :, None]  # (1, C_out/G, 1)
+        cos = torch.einsum("od,bdl->bol", ws, patches) / (w_norm * x_norm)
+        angle_part = angular_function(torch.arccos(cos.clamp(-1.0, 1.0)), angular, k)
+        if weighted == "tanh_joint":
+            size = alpha * torch.tanh(x_norm * w_norm / radius)
+        else:
+            size = magnitude_function(x_norm, magnitude, alpha, beta, radius)
+            if weighted == "linear":
+                size = size * w_norm
+            elif weighted == "tanh_separate":
+                size = size * torch.tanh(w_norm / rho)
+        outs.append(size * angle_part)  # (B, C_out/G, L)
+    shape = output_size(x.shape[2:], kernel, pair(stride, "stride", 1), pair(padding, "padding", 0),
+                        pair(dilation, "dilation", 1))
+    return torch.cat(outs, 1).view(b, c_out, *shape)
+
+
+class _DecoupledMixin:
+    """Set-up shared by the conv and linear layers: the operator's names, constants, rho and E{||x||}."""
+
+    def _init_decoupled(self, magnitude: str, angular: str, alpha: float, beta: float | None, rho: float,
+                        learnable_rho: bool, radius_norm: bool, weighted, k: float, momentum: float,
+                        eps: float, factory: dict) -> None:
+        self.magnitude = _check_magnitude(magnitude)
+        self.angular = check_angular(angular, DECOUPLED_ANGULAR)
+        self.weighted = _check_weighted(weighted, self.magnitude)
+        self.alpha = real_number("alpha", alpha, above=0.0)
+        self.beta = default_beta(self.magnitude, beta)
+        self.k = float(check_k(k))
+        self.eps = real_number("eps", eps, above=0.0)
+        self.momentum = real_number("momentum", momentum, above=0.0, at_most=1.0)
+        has_radius = self.magnitude in RADIUS_MAGNITUDES or self.weighted in ("tanh_joint", "tanh_separate")
+        for flag, value in {"radius_norm": radius_norm, "learnable_rho": learnable_rho}.items():
+            if value and not has_radius:
+                raise ValueError(f"{flag}=True needs a magnitude with a radius {RADIUS_MAGNITUDES}, "
+                                 f"got magnitude={self.magnitude!r}")
+        self.radius_norm, self.learnable_rho = bool(radius_norm), bool(learnable_rho)
+        rho = real_number("rho", rho, above=RHO_FLOOR if learnable_rho else 0.0)
+        if self.learnable_rho:
+            self.rho = nn.Parameter(torch.tensor(rho, **factory))
+            parametrize.register_parametrization(self, "rho", Positive(RHO_FLOOR, "rho"))
+        else:
+            self.rho = rho
+        if self.radius_norm:
+            self.register_buffer("norm_mean", torch.ones((), **factory))
+            self.register_buffer("norm_mean_updates", torch.zeros((), dtype=torch.long, device=factory["device"]))
+
+    def _norm_mean(self, norm: Tensor) -> Tensor | None:
+        """E{||x||}: the batch mean in training (updating the running buffer), the buffer in evaluation."""
+        if not self.radius_norm:
+            return None
+        if not self.training:
+            return self.norm_mean
+        batch_mean = norm.detach().mean()
+        with torch.no_grad():
+            first = self.norm_mean_updates == 0
+            self.norm_mean.copy_(torch.where(first, batch_mean, torch.lerp(self.norm_mean, batch_mean,
+                                                                             self.momentum)))
+            self.norm_mean_updates.add_(1)
+        return batch_mean
+
+    def _operator(self, inner: Tensor, norm: Tensor, w_norm: Tensor) -> Tensor:
+        return _response(inner, norm, w_norm, self.magnitude, self.angular, self.alpha, self.beta,
+                         _radius(self.rho, self._norm_mean(norm)), self.rho, self.k, self.weighted)
+
+    def _decoupled_repr(self) -> str:
+        text = f", magnitude={self.magnitude!r}, angular={self.angular!r}, alpha={self.alpha:g}"
+        if self.magnitude in ("seg", "mix"):
+            text += f", beta={self.beta:g}"
+        if self.angular == "sigmoid":
+            text += f", k={self.k:g}"
+        if self.magnitude in RADIUS_MAGNITUDES or self.weighted in ("tanh_joint", "tanh_separate"):
+            text += ", learnable_rho=True" if self.learnable_rho else f", rho={self.rho:g}"
+            text += ", radius_norm=True" if self.radius_norm else ""
+        return text + (f", weighted={self.weighted!r}" if self.weighted else "")
+
+
+class DecoupledConv2d(_DecoupledMixin, nn.Conv2d):
+    """Drop-in ``nn.Conv2d`` computing the decoupled operator h(||w||, ||x||) g(theta) (thesis eq. 4.3).
+
+    Args:
+        in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias, padding_mode:
+            as in :class:`torch.nn.Conv2d` (bias defaults to False).
+        magnitude (str): one of :data:`MAGNITUDES` (eqs. 4.4-4.10). Default: ``"tanh"``.
+        angular (str): ``"linear"``, ``"cosine"``, ``"sigmoid"`` or ``"sqcosine"`` (eqs. 4.11-4.14).
+        alpha (float), beta (float, optional): h's constants (beta default: 0.5 seg, 1 mix; App. C.2).
+        rho (float): the radius (the initial value when learned). Default: 1.
+        learnable_rho (bool): learn rho, kept above 1e-3 by a softplus parametrisation. Default: False.
+        radius_norm (bool): radius rho E{||x||} (eqs. C.1-C.3, Note [radius normalisation]). Default: False.
+        weighted: False, True / ``"linear"``, ``"tanh_joint"`` (eq. 4.15), ``"tanh_separate"`` (eq. 4.16).
+        k (float): sigmoid curvature. Default: 0.5.
+        momentum (float): of the running E{||x||}. Default: 0.1.
+        eps (float): patch-norm floor. Default: 1e-6.
+
+    With ``radius_norm=False`` and a fixed rho the output depends on the patch x only through ||x||
+    and theta over the whole receptive field, as SphereConv does.
+    """
+
+    def __init__(self, in_channels: int, out_channels: int, kernel_size, stride=1, padding=0, dilation=1,
+                 groups: int = 1, bias: bool = False, padding_mode: str = "zeros", magnitude: str = "tanh",
+                 angular: str = "cosine", alpha: float = 1.0, beta: float | None = None, rho: float = 1.0,
+                 learnable_rho: bool = False, radius_norm: bool = False, weighted=False, k: float = 0.5,
+                 momentum: float = 0.1, eps: float = 1e-6, device=None, dtype=None):
+        kernel_size, stride, padding, dilation = conv_arguments(in_channels, out_channels, kernel_size, stride,
+                                                                padding, dilation, groups)
+        factory = {"device": device, "dtype": dtype}
+        super().__init__(in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias,
+                         padding_mode, **factory)
+        self._init_decoupled(magnitude, angular, alpha, beta, rho, learnable_rho, radius_norm, weighted, k,
+                             momentum, eps, factory)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if x.dim() != 4 or x.shape[1] != self.in_channels:
+            raise ValueError(f"input must be Tensor[B, {self.in_channels}, H, W], got shape {tuple(x.shape)}")
+        padding = self.padding
+        if self.padding_mode != "zeros":
+            x = F.pad(x, self._reversed_padding_repeated_twice, mode=self.padding_mode)
+            padding = 0
+        x, padding = explicit_padding(x, padding, self.kernel_size, self.stride, self.dilation)
+        w_norm = self.weight.flatten(1).norm(dim=1).clamp_min(self.eps)
+        inner = F.conv2d(x, self.weight / w_norm.view(-1, 1, 1, 1), None, self.stride, padding, self.dilation,
+                         self.groups)
+        norm = patch_norm2d(x, self.kernel_size, self.stride, padding, self.dilation, self.groups, self.eps)
+        out = self._operator(inner, norm, w_norm)
+        return out if self.bias is None else out + self.bias.view(-1, 1, 1)
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + self._decoupled_repr()
+
+
+class DecoupledLinear(_DecoupledMixin, nn.Linear):
+    """The decoupled operator on a fully connected layer: each output unit is h(||w||, ||x||) g(theta)
+    between the input vector and its weight row.  Arguments as :class:`DecoupledConv2d` (bias False)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, magnitude: str = "tanh",
+                 angular: str = "cosine", alpha: float = 1.0, beta: float | None = None, rho: float = 1.0,
+                 learnable_rho: bool = False, radius_norm: bool = False, weighted=False, k: float = 0.5,
+                 momentum: float = 0.1, eps: float = 1e-6, device=None, dtype=None):
+        for name, value in {"in_features": in_features, "out_features": out_features}.items():
+            integer(name, value, at_least=1)
+        factory = {"device": device, "dtype": dtype}
+        super().__init__(in_features, out_features, bias, **factory)
+        self._init_decoupled(magnitude, angular, alpha, beta, rho, learnable_rho, radius_norm, weighted, k,
+                             momentum, eps, factory)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if x.dim() < 1 or x.shape[-1] != self.in_features:
+            raise ValueError(f"input must be Tensor[..., {self.in_features}], got shape {tuple(x.shape)}")
+        w_norm = self.weight.norm(dim=1).clamp_min(self.eps)
+        flat = x.reshape(-1, self.in_features)
+        inner = F.linear(flat, self.weight / w_norm[:, None]).unsqueeze(-1)  # (N, out, 1): units on axis 1
+        norm = flat.square().sum(-1).clamp_min(self.eps ** 2).sqrt().view(-1, 1, 1)  # (N, 1, 1)
+        out = self._operator(inner, norm, w_norm).squeeze(-1)
+        out = out if self.bias is None else out + self.bias
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + self._decoupled_repr()
+
+
+def decoupled_layers(model: nn.Module) -> list[nn.Module]:
+    """The :class:`DecoupledConv2d` and :class:`DecoupledLinear` layers of ``model``, in module order."""
+    return [m for m in model.modules() if isinstance(m, _DecoupledMixin)]
+
+
+def decoupled_factory(**options) -> Callable[..., DecoupledConv2d]:
+    """``conv_layer`` for the networks of :mod:`sphereml.models`: a :class:`DecoupledConv2d` with ``options``
+    (checked now, so a bad option fails when the factory is made, not deep inside a network)."""
+    DecoupledConv2d(1, 1, 1, **options)  # validates the options
+
+    def make(in_channels: int, out_channels: int, kernel_size, **kwargs) -> DecoupledConv2d:
+        return DecoupledConv2d(in_channels, out_channels, kernel_size, **kwargs, **options)
+
+    return make
+

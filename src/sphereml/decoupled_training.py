@@ -1,0 +1,104 @@
+"""Training aids for decoupled networks (thesis §4.4, App. C.7): weight projection, weighted gradients and
+initialisation from a pretrained network.
+
+The gradient of an unweighted operator with respect to a kernel is (eq. 4.17)
+
+    d(w_hat . x_hat) / dw = (x_hat - cos(theta) w_hat) / ||w||,
+
+perpendicular to w and shrinking as 1 / ||w||.  A step perpendicular to w can only lengthen it
+(Pythagoras), so ||w|| grows through training and the effective learning rate decays.  Two remedies:
+
+* weight projection, w <- s w_hat every few steps (§4.4.1, s = 1): valid because an unweighted
+  operator ignores ||w||; a step of norm d then turns the kernel by the fixed angle arctan(d / s);
+* weighted gradients, dL/dw multiplied by ||w|| (eq. 4.18): the update no longer depends on ||w||, and
+  the angle a step turns, arctan(d / ||w||), adapts to the kernel's norm (App. C.7, Fig. C.5).
+
+The third aid (§4.4.3) starts a decoupled network from a trained CNN of the same architecture.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from ._checks import integer, real_number
+from .decoupled import decoupled_layers
+from .train import StepState
+
+__all__ = ["project_weights", "WeightProjection", "weighted_gradients", "init_from_pretrained"]
+
+
+def _unweighted_layers(model: nn.Module, what: str) -> list[nn.Module]:
+    layers = decoupled_layers(model)
+    if not layers:
+        raise ValueError(f"{what}: the model has no decoupled layer")
+    weighted = [type(m).__name__ for m in layers if m.weighted]
+    if weighted:
+        raise ValueError(f"{what} changes the output of weighted operators ({', '.join(weighted)}); "
+                         "use it with unweighted ones")
+    return layers
+
+
+@torch.no_grad()
+def project_weights(model: nn.Module, scale: float = 1.0) -> int:
+    """Weight projection (§4.4.1): w <- s w / ||w|| for every kernel of every decoupled layer.
+
+    The output of an unweighted operator does not depend on ||w||, so the forward pass is unchanged;
+    the projection only undoes the growth of ||w|| that shrinks the gradient (eq. 4.17).  Weighted
+    operators raise a ``ValueError``.  Returns the number of layers projected.
+    """
+    scale = real_number("scale", scale, above=0.0)
+    layers = _unweighted_layers(model, "weight projection")
+    for layer in layers:
+        w = layer.weight
+        w.mul_(scale / w.flatten(1).norm(dim=1).clamp_min(layer.eps).view(-1, *([1] * (w.dim() - 1))))
+    return len(layers)
+
+
+class WeightProjection:
+    """A :func:`~sphereml.train.fit` callback: :func:`project_weights` every ``every`` optimiser steps.
+
+    The thesis projects "every certain number of iterations" with s = 1 and gives no period;
+    ``every=1`` (the default) projects after every step.
+    """
+
+    def __init__(self, every: int = 1, scale: float = 1.0):
+        self.every = integer("every", every, at_least=1)
+        self.scale = real_number("scale", scale, above=0.0)
+
+    def __call__(self, state: StepState) -> None:
+        if state.step % self.every == 0:
+            project_weights(state.model, self.scale)
+
+
+def weighted_gradients(model: nn.Module) -> list:
+    """Weighted gradients (eq. 4.18): each kernel's gradient is multiplied by its own ||w||.
+
+    For an unweighted operator dL/dw = (dL/d(w_hat)) / ||w|| (eq. 4.17), so the product does not depend on
+    ||w||: the update no longer shrinks as the kernel grows.  Registers a gradient hook on the weight of
+    every decoupled layer (unweighted ones only) and returns the hook handles (``handle.remove()`` undoes it).
+    """
+    handles = []
+    for layer in _unweighted_layers(model, "weighted gradients"):
+        weight = layer.weight
+
+        def hook(grad: Tensor, weight: Tensor = weight) -> Tensor:
+            scale = weight.detach().flatten(1).norm(dim=1).view(-1, *([1] * (grad.dim() - 1)))
+            return grad * scale
+
+        handles.append(weight.register_hook(hook))
+    return handles
+
+
+@torch.no_grad()
+def init_from_pretrained(model: nn.Module, pretrained: nn.Module) -> list[str]:
+    """Initialise ``model`` from a trained network of the same architecture (§4.4.3): copy every parameter
+    and buffer whose name and shape match (conv kernels, BatchNorm, classifier); the decoupled layers'
+    own state (rho, E{||x||}) keeps its value.  Returns the copied names; ``ValueError`` when none match."""
+    source = pretrained.state_dict()
+    target = model.state_dict()
+    copied = [name for name, value in target.items() if name in source and source[name].shape == value.shape]
+    if not copied:
+        raise ValueError("no parameter of the pretrained network matches the model by name and shape")
+    model.load_state_dict({name: source[name] for name in copied}, strict=False)
+    return copied
