@@ -260,31 +260,32 @@ def test_radius_normalisation_running_mean_and_input_scale_invariance():
         patch_norms = decoupled_conv2d(x, layer.weight, padding=1, magnitude="linear", weighted=False) / \
             decoupled_conv2d(x, layer.weight, padding=1, magnitude="sphere")
         torch.testing.assert_close(layer.norm_mean, patch_norms.mean())  # the first update copies the batch mean
-        scaled = layer(7.0 * x)  # the running mean moves to 0.9 m + 0.1 (7 m) = 1.6 m
+        scaled = layer(7.0 * x)  # the running mean, cumulative at first, moves to (m + 7 m) / 2 = 4 m
         if magnitude != "seg":  # seg is linear in ||x|| beyond the radius, so it scales with the input
             torch.testing.assert_close(scaled, out)
         else:
             torch.testing.assert_close(scaled, 7.0 * out)
-        torch.testing.assert_close(layer.norm_mean, 1.6 * patch_norms.mean())
+        torch.testing.assert_close(layer.norm_mean, 4.0 * patch_norms.mean())
         layer.eval()
         ref = decoupled_conv2d_reference(x, layer.weight, padding=1, magnitude=magnitude,
                                          radius=0.9 * float(layer.norm_mean))
         torch.testing.assert_close(layer(x), ref)
 
 
-def test_running_mean_is_a_momentum_average():
+def test_running_mean_is_cumulative_then_a_momentum_average():
     layer = _layer(21, magnitude="tanh", radius_norm=True, momentum=0.25)
     means = []
-    for scale in (1.0, 3.0, 0.5):
+    for scale in (1.0, 3.0, 0.5, 2.0, 4.0):
         x = _input(21, scale=scale)
         layer(x)
         norms = decoupled_conv2d(x, layer.weight, padding=1, magnitude="linear") / \
             decoupled_conv2d(x, layer.weight, padding=1, magnitude="sphere")
         means.append(float(norms.mean()))
-    expected = means[0]
-    for m in means[1:]:
-        expected = 0.75 * expected + 0.25 * m
+    expected = sum(means[:4]) / 4  # weights 1, 1/2, 1/3, 1/4: the plain mean of the first 1 / momentum
+    expected = 0.75 * expected + 0.25 * means[4]
     assert abs(float(layer.norm_mean) - expected) < 1e-10
+    layer.reset_running_stats()
+    assert float(layer.norm_mean) == 1.0 and int(layer.norm_mean_updates) == 0
 
 
 def test_learnable_rho_is_positive_and_ball_rho_learns_only_from_patches_inside():
@@ -390,3 +391,46 @@ def test_benchmark_smoke(monkeypatch, tmp_path):
     result = bench_decoupled.run(torch.device("cpu"), sizes=[(2, 4, 6)], repeats=1)
     assert set(result["decoupled_fwd_bwd_b2_c4_s6"]["seconds"]) >= {"nn.Conv2d", "TanhConv cosine, rho E{||x||}"}
     assert (tmp_path / "decoupled_fwd_bwd_b2_c4_s6-cpu.json").is_file()
+
+
+def test_recalibrate_reestimates_batchnorm_and_patch_norm_means():
+    """train.recalibrate: running statistics equal the cumulative statistics of the data, modes restored."""
+    from sphereml.train import recalibrate
+
+    torch.manual_seed(27)
+    net = torch.nn.Sequential(DecoupledConv2d(1, 3, 3, padding=1, magnitude="tanh", radius_norm=True),
+                              torch.nn.BatchNorm2d(3)).double().eval()
+    x = torch.rand(40, 1, 6, 6, dtype=F64)
+    data = torch.utils.data.TensorDataset(x, torch.zeros(40, dtype=torch.long))
+    assert recalibrate(net, data, batch_size=10, device="cpu") == 2
+    assert not net.training and net[0].momentum == 0.1 and net[1].momentum == 0.1
+    norms = decoupled_conv2d(x, net[0].weight, padding=1, magnitude="linear") / \
+        decoupled_conv2d(x, net[0].weight, padding=1, magnitude="sphere")
+    torch.testing.assert_close(net[0].norm_mean, norms.view(4, -1).mean(1).mean())  # mean of the batch means
+    with torch.no_grad():
+        net.train()
+        outs = [net[0](x[i:i + 10]) for i in range(0, 40, 10)]
+    torch.testing.assert_close(net[1].running_mean, torch.stack([o.mean((0, 2, 3)) for o in outs]).mean(0))
+    with pytest.raises(ValueError, match="max_batches must be an integer >= 1"):
+        recalibrate(net, data, max_batches=0, device="cpu")
+
+
+@pytest.mark.parametrize("options", [dict(magnitude="tanh", radius_norm=True, learnable_rho=True),
+                                     dict(magnitude="seg", angular="sqcosine")])
+def test_layer_compiles_without_graph_breaks(options):
+    """fullgraph=True fails on any graph break (the running-mean update included); aot_eager traces backward."""
+    torch.compiler.reset()
+    torch.manual_seed(28)
+    layer = DecoupledConv2d(4, 6, 3, padding=1, **options)
+    eager = DecoupledConv2d(4, 6, 3, padding=1, **options)
+    eager.load_state_dict(layer.state_dict())
+    x = torch.randn(2, 4, 6, 6, requires_grad=True)
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    out = compiled(x)
+    (grad,) = torch.autograd.grad(out.square().sum(), x)
+    reference = eager(x)
+    (grad_ref,) = torch.autograd.grad(reference.square().sum(), x)
+    torch.testing.assert_close(out, reference)
+    torch.testing.assert_close(grad, grad_ref)
+    if layer.radius_norm:
+        torch.testing.assert_close(layer.norm_mean, eager.norm_mean)

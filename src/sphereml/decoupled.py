@@ -35,8 +35,9 @@ Note [radius normalisation]
     r = rho E{||x||}, with rho learnable (initialised to 1) and E{||x||} a moving average of the
     layer's patch norms, "similar to BN": without it most radii in the middle layers never move.
     The seeds do not say whether training uses the batch mean or the average; we use the batch
-    mean in training (as BatchNorm does) and the running average, a no-grad buffer updated with
-    momentum 0.1 (its first update copies the batch mean), in evaluation.  The seeds keep one mean
+    mean in training (as BatchNorm does) and the running average, a no-grad buffer, in evaluation.
+    The average is cumulative over the first 1 / momentum batches and exponential (momentum 0.1) after,
+    so it does not start from an arbitrary value; ``momentum=None`` keeps it cumulative, as BatchNorm's.  The seeds keep one mean
     per kernel; in a convolution every kernel sees the same patches, so one scalar per layer is the
     same thing.  With ``radius_norm=True`` a train-mode output is invariant to rescaling the input.
 
@@ -284,7 +285,7 @@ class _DecoupledMixin:
     """Set-up shared by the conv and linear layers: the operator's names, constants, rho and E{||x||}."""
 
     def _init_decoupled(self, magnitude: str, angular: str, alpha: float, beta: float | None, rho: float,
-                        learnable_rho: bool, radius_norm: bool, weighted, k: float, momentum: float,
+                        learnable_rho: bool, radius_norm: bool, weighted, k: float, momentum: float | None,
                         eps: float, factory: dict) -> None:
         self.magnitude = _check_magnitude(magnitude)
         self.angular = check_angular(angular, DECOUPLED_ANGULAR)
@@ -293,7 +294,7 @@ class _DecoupledMixin:
         self.beta = default_beta(self.magnitude, beta)
         self.k = float(check_k(k))
         self.eps = real_number("eps", eps, above=0.0)
-        self.momentum = real_number("momentum", momentum, above=0.0, at_most=1.0)
+        self.momentum = None if momentum is None else real_number("momentum", momentum, above=0.0, at_most=1.0)
         has_radius = self.magnitude in RADIUS_MAGNITUDES or self.weighted in ("tanh_joint", "tanh_separate")
         for flag, value in {"radius_norm": radius_norm, "learnable_rho": learnable_rho}.items():
             if value and not has_radius:
@@ -318,11 +319,18 @@ class _DecoupledMixin:
             return self.norm_mean
         batch_mean = norm.detach().mean()
         with torch.no_grad():
-            first = self.norm_mean_updates == 0
-            self.norm_mean.copy_(torch.where(first, batch_mean, torch.lerp(self.norm_mean, batch_mean,
-                                                                             self.momentum)))
+            weight = (self.norm_mean_updates.to(self.norm_mean.dtype) + 1.0).reciprocal()  # cumulative average ...
+            if self.momentum is not None:
+                weight = weight.clamp_min(self.momentum)  # ... until it is overtaken by the momentum
+            self.norm_mean.lerp_(batch_mean.to(self.norm_mean.dtype), weight)
             self.norm_mean_updates.add_(1)
         return batch_mean
+
+    def reset_running_stats(self) -> None:
+        """Forget E{||x||} (as ``BatchNorm``'s method of the same name; see :func:`~sphereml.train.recalibrate`)."""
+        if self.radius_norm:
+            self.norm_mean.fill_(1.0)
+            self.norm_mean_updates.zero_()
 
     def _operator(self, inner: Tensor, norm: Tensor, w_norm: Tensor) -> Tensor:
         return _response(inner, norm, w_norm, self.magnitude, self.angular, self.alpha, self.beta,
@@ -354,7 +362,7 @@ class DecoupledConv2d(_DecoupledMixin, nn.Conv2d):
         radius_norm (bool): radius rho E{||x||} (eqs. C.1-C.3, Note [radius normalisation]). Default: False.
         weighted: False, True / ``"linear"``, ``"tanh_joint"`` (eq. 4.15), ``"tanh_separate"`` (eq. 4.16).
         k (float): sigmoid curvature. Default: 0.5.
-        momentum (float): of the running E{||x||}. Default: 0.1.
+        momentum (float or None): of the running E{||x||} (None: cumulative). Default: 0.1.
         eps (float): patch-norm floor. Default: 1e-6.
 
     With ``radius_norm=False`` and a fixed rho the output depends on the patch x only through ||x||
@@ -365,7 +373,7 @@ class DecoupledConv2d(_DecoupledMixin, nn.Conv2d):
                  groups: int = 1, bias: bool = False, padding_mode: str = "zeros", magnitude: str = "tanh",
                  angular: str = "cosine", alpha: float = 1.0, beta: float | None = None, rho: float = 1.0,
                  learnable_rho: bool = False, radius_norm: bool = False, weighted=False, k: float = 0.5,
-                 momentum: float = 0.1, eps: float = 1e-6, device=None, dtype=None):
+                 momentum: float | None = 0.1, eps: float = 1e-6, device=None, dtype=None):
         kernel_size, stride, padding, dilation = conv_arguments(in_channels, out_channels, kernel_size, stride,
                                                                 padding, dilation, groups)
         factory = {"device": device, "dtype": dtype}
@@ -400,7 +408,7 @@ class DecoupledLinear(_DecoupledMixin, nn.Linear):
     def __init__(self, in_features: int, out_features: int, bias: bool = False, magnitude: str = "tanh",
                  angular: str = "cosine", alpha: float = 1.0, beta: float | None = None, rho: float = 1.0,
                  learnable_rho: bool = False, radius_norm: bool = False, weighted=False, k: float = 0.5,
-                 momentum: float = 0.1, eps: float = 1e-6, device=None, dtype=None):
+                 momentum: float | None = 0.1, eps: float = 1e-6, device=None, dtype=None):
         for name, value in {"in_features": in_features, "out_features": out_features}.items():
             integer(name, value, at_least=1)
         factory = {"device": device, "dtype": dtype}

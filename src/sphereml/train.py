@@ -39,7 +39,7 @@ from ._checks import integer, real_number
 
 __all__ = [
     "seed_everything", "resolve_device", "fit", "evaluate", "collect_outputs",
-    "History", "StepState", "Tracker", "default_loss", "num_steps", "batches",
+    "History", "StepState", "Tracker", "default_loss", "num_steps", "batches", "recalibrate",
 ]
 
 DEVICES = ("auto", "cpu", "cuda")
@@ -313,6 +313,43 @@ def fit(
             }, ckpt_path)
     bar.close()
     return history
+
+
+@torch.no_grad()
+def recalibrate(model: nn.Module, data: Dataset, *, batch_size: int = 256, max_batches: int | None = None,
+                device: str | torch.device = "auto") -> int:
+    """Re-estimate every running statistic of ``model`` from ``data`` before an evaluation.
+
+    BatchNorm's running mean and variance (and a decoupled layer's running E{||x||}) are exponential
+    averages collected while the weights were still moving, so early in training they lag the
+    statistics of the current network and eval-mode accuracy is misleading.  This resets every module
+    that has a ``reset_running_stats`` method, makes its average cumulative (``momentum = None``), runs the
+    batches of ``data`` (in order, the first ``max_batches``) through the model in training mode without
+    gradients, and puts momentum and mode back.  The parameters are untouched.
+
+    Returns:
+        the number of modules recalibrated.
+    """
+    integer("batch_size", batch_size, at_least=1)
+    if max_batches is not None:
+        integer("max_batches", max_batches, at_least=1)
+    dev = resolve_device(device)
+    modules = [m for m in model.modules()
+               if callable(getattr(m, "reset_running_stats", None)) and hasattr(m, "momentum")]
+    momenta = [m.momentum for m in modules]
+    was_training = model.training
+    for m in modules:
+        m.reset_running_stats()
+        m.momentum = None
+    model.train()
+    for i, batch in enumerate(batches(data, batch_size, False, None)):
+        if max_batches is not None and i >= max_batches:
+            break
+        model(_to_device(batch, dev)[0])
+    for m, momentum in zip(modules, momenta):
+        m.momentum = momentum
+    model.train(was_training)
+    return len(modules)
 
 
 @torch.no_grad()
