@@ -27,11 +27,13 @@ One concept per module:
 * :mod:`~sphereml.timing` — round-robin timing with ratios to a baseline.
 * :mod:`~sphereml.viz` — the book's plotting style and helpers.
 * :mod:`~sphereml.chapter` — the chapter runtime: profiles, figures, metrics, claim records.
+* :mod:`~sphereml.ledger` — the claims ledger: every chapter's claim records gathered into one page.
 * ``sphereml.book`` — the papermill runner (``python -m sphereml.book``); not imported here.
 """
 
 from . import (angular, attacks, chapter, comhe, convsim, data, decoupled, decoupled_training, energy, geometry,
-               margins, metrics, models, opt, orthogonalizers, patches, regularizers, schedules, scs, sphereconv, timing, train, viz)
+               ledger, margins, metrics, models, opt, orthogonalizers, patches, regularizers, schedules, scs,
+               sphereconv, timing, train, viz)
 from .geometry import angle_matrix, cosine_matrix, normalize, safe_angle, sample_sphere
 from .train import evaluate, fit, resolve_device, seed_everything
 
@@ -39,7 +41,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "angular", "attacks", "chapter", "comhe", "convsim", "data", "decoupled", "decoupled_training", "energy",
-    "geometry", "margins", "metrics", "models", "opt", "orthogonalizers", "patches", "regularizers", "schedules", "scs", "sphereconv", "timing", "train", "viz",
+    "geometry", "ledger", "margins", "metrics", "models", "opt", "orthogonalizers", "patches", "regularizers",
+    "schedules", "scs", "sphereconv", "timing", "train", "viz",
     "normalize", "cosine_matrix", "safe_angle", "angle_matrix", "sample_sphere",
     "fit", "evaluate", "resolve_device", "seed_everything", "__version__",
 ]

@@ -11,9 +11,9 @@ gradient, and its train / eval mode is left as it was found (attack in eval mode
 
 Black-box transfer (thesis App. C.1.3): the adversarial examples are computed on a substitute
 (``source``) network of the same architecture trained separately, and the target network is
-evaluated on them.  Adversarial training (Goodfellow et al.'s objective, which App. C.1.3 uses with
-FGSM) minimises (1 - w) L(x) + w L(x_adv) with w = 1/2, the examples made on the fly by the model
-being trained (:func:`adversarial_loss`).
+evaluated on them.  Adversarial training (:func:`adversarial_loss`) minimises Goodfellow et al.'s
+(1 - w) L(x) + w L(x_adv) with w = 1/2, the examples made on the fly by the model being trained;
+the thesis (App. C.1.2) names FGSM examples at eps = 8 but not the objective, so w is our choice.
 """
 
 from __future__ import annotations

@@ -7,25 +7,28 @@ Command line::
 
     python -m sphereml.book list
     python -m sphereml.book run 01_hypersphere -p profile smoke [-p epochs 3] [--output DIR]
+    python -m sphereml.book ledger [--runs _build/runs]
 
 ``run`` executes ``notebooks/NAME.ipynb`` through papermill into DIR (default
 ``_build/runs/NAME``), which then holds the executed notebook, the figures and
 ``metrics.json``; it exits non-zero when the chapter fails.  Parameter names are
 checked against the chapter's ``parameters`` cell and values are converted to the
-type of their default.
+type of their default.  ``ledger`` merges the claims of the runs under ``--runs`` (``cpu`` and
+``gpu`` runs; :mod:`sphereml.ledger`) into ``book/claims.json`` and rewrites ``book/claims.md``.
 """
 
 from __future__ import annotations
 
 import argparse
 import ast
+import json
 import os
 import sys
 from pathlib import Path
 
 from .chapter import repo_root
 
-__all__ = ["chapter_parameters", "run_chapter", "cache_executed_notebook", "main"]
+__all__ = ["chapter_parameters", "run_chapter", "cache_executed_notebook", "write_ledger", "main"]
 
 
 def _notebooks_dir(notebooks_dir=None) -> Path:
@@ -149,11 +152,31 @@ def _parse_args(argv):
     run.add_argument("-p", "--parameter", nargs=2, action="append", default=[], metavar=("KEY", "VALUE"))
     run.add_argument("--output", default=None, help="output folder (default _build/runs/NAME)")
     run.add_argument("--notebooks", default=None, help="folder of the notebooks (default <repo>/notebooks)")
+    ledger = sub.add_parser("ledger", help="gather the chapters' claims into book/claims.json and book/claims.md")
+    ledger.add_argument("--runs", default=None, help="folder of chapter runs (default <repo>/_build/runs)")
     return parser.parse_args(argv)
+
+
+def write_ledger(runs_dir=None, book_dir=None) -> Path:
+    """Merge ``<runs_dir>/*/metrics.json`` into ``<book_dir>/claims.json``; rewrite ``claims.md``."""
+    from . import ledger
+
+    root = repo_root()
+    runs_dir = Path(runs_dir) if runs_dir is not None else root / "_build" / "runs"
+    book_dir = Path(book_dir) if book_dir is not None else root / "book"
+    snapshot_path = book_dir / "claims.json"
+    snapshot = ledger.collect(sorted(runs_dir.glob("*/metrics.json")), ledger.load_snapshot(snapshot_path))
+    snapshot_path.write_text(json.dumps(snapshot, indent=1, ensure_ascii=False) + "\n")
+    page = book_dir / "claims.md"
+    page.write_text(ledger.render(snapshot))
+    return page
 
 
 def main(argv=None) -> int:
     args = _parse_args(argv)
+    if args.command == "ledger":
+        print(f"wrote {write_ledger(args.runs)}")
+        return 0
     if args.command == "list":
         for nb in sorted(_notebooks_dir().glob("*.ipynb")):
             print(f"{nb.stem}: {chapter_parameters(nb)}")

@@ -29,7 +29,7 @@ from . import _io, data, viz
 from ._checks import integer
 from .train import collect_outputs, evaluate, fit, resolve_device, seed_everything
 
-__all__ = ["PROFILES", "VERDICTS", "resolve_profile", "repo_root", "resolve_output_dir", "Chapter"]
+__all__ = ["PROFILES", "VERDICTS", "resolve_profile", "repo_root", "resolve_output_dir", "show_value", "Chapter"]
 
 PROFILES = ("smoke", "cpu", "gpu")
 VERDICTS = {True: "holds", False: "does not hold", None: "not distinguishable"}
@@ -64,16 +64,16 @@ def resolve_output_dir(chapter: str, output_dir: str | os.PathLike = "") -> Path
     return (repo_root() or Path.cwd()) / "_build" / "runs" / chapter
 
 
-def _show(value) -> str:
+def show_value(value) -> str:
     """A compact text form of a claim's number(s): 5 significant digits, dicts as ``key value`` pairs."""
     if isinstance(value, bool) or value is None:
         return str(value)
     if isinstance(value, Number):
         return f"{value:.5g}"
     if isinstance(value, dict):
-        return ", ".join(f"{k} {_show(v)}" for k, v in value.items())
+        return ", ".join(f"{k} {show_value(v)}" for k, v in value.items())
     if isinstance(value, (list, tuple)):
-        return "[" + ", ".join(_show(v) for v in value) + "]"
+        return "[" + ", ".join(show_value(v) for v in value) + "]"
     return str(value)
 
 
@@ -184,7 +184,7 @@ class Chapter:
                   "profile": self.profile, "verdict": VERDICTS[bool(holds) if holds is not None else None]}
         self.metrics["claims"] = [c for c in self.metrics["claims"] if c["id"] != id] + [record]
         self.write()
-        numbers = f"ours: {_show(ours)}" + (f"; paper: {_show(paper)}" if paper is not None else "")
+        numbers = f"ours: {show_value(ours)}" + (f"; paper: {show_value(paper)}" if paper is not None else "")
         lines = textwrap.wrap(f"{record['verdict'].upper()}: {statement} ({source})", PAGE_WIDTH,
                               subsequent_indent="    ")
         lines += textwrap.wrap(numbers, PAGE_WIDTH, initial_indent="    ", subsequent_indent="    ")

@@ -62,7 +62,7 @@ from torch.nn.utils import parametrize
 
 from ._checks import integer, one_of, real_number
 from .angular import DECOUPLED_ANGULAR, angular_activation, angular_function, check_angular, check_k
-from .patches import conv_arguments, explicit_padding, output_size, pair
+from .patches import conv_arguments, explicit_padding, pair, patchwise_reference
 from .sphereconv import Positive
 
 __all__ = [
@@ -256,29 +256,22 @@ def decoupled_conv2d_reference(x: Tensor, weight: Tensor, stride=1, padding=0, d
         Tensor[B, C_out, H', W'].
     """
     weighted = _check_weighted(weighted, _check_magnitude(magnitude))
-    b, c_out = x.shape[0], weight.shape[0]
-    kernel = tuple(weight.shape[2:])
-    outs = []
-    for g in range(groups):
-        xs = x[:, g * x.shape[1] // groups:(g + 1) * x.shape[1] // groups]
-        ws = weight[g * c_out // groups:(g + 1) * c_out // groups].flatten(1)  # (C_out/G, D)
-        patches = F.unfold(xs, kernel, dilation=dilation, padding=padding, stride=stride)  # (B, D, L)
+
+    def group(ws: Tensor, patches: Tensor, rows: slice) -> Tensor:
         x_norm = patches.norm(dim=1)[:, None, :]  # (B, 1, L)
         w_norm = ws.norm(dim=1)[None, :, None]  # (1, C_out/G, 1)
         cos = torch.einsum("od,bdl->bol", ws, patches) / (w_norm * x_norm)
         angle_part = angular_function(torch.arccos(cos.clamp(-1.0, 1.0)), angular, k)
         if weighted == "tanh_joint":
-            size = alpha * torch.tanh(x_norm * w_norm / radius)
-        else:
-            size = magnitude_function(x_norm, magnitude, alpha, beta, radius)
-            if weighted == "linear":
-                size = size * w_norm
-            elif weighted == "tanh_separate":
-                size = size * torch.tanh(w_norm / rho)
-        outs.append(size * angle_part)  # (B, C_out/G, L)
-    shape = output_size(x.shape[2:], kernel, pair(stride, "stride", 1), pair(padding, "padding", 0),
-                        pair(dilation, "dilation", 1))
-    return torch.cat(outs, 1).view(b, c_out, *shape)
+            return alpha * torch.tanh(x_norm * w_norm / radius) * angle_part
+        size = magnitude_function(x_norm, magnitude, alpha, beta, radius)
+        if weighted == "linear":
+            size = size * w_norm
+        elif weighted == "tanh_separate":
+            size = size * torch.tanh(w_norm / rho)
+        return size * angle_part  # (B, C_out/G, L)
+
+    return patchwise_reference(x, weight, group, stride, padding, dilation, groups)
 
 
 class _DecoupledMixin:

@@ -32,7 +32,8 @@ from torch import Tensor
 from ._checks import integer
 from .geometry import normalize
 
-__all__ = ["pair", "check_padding", "conv_arguments", "explicit_padding", "output_size", "patch_cosine2d"]
+__all__ = ["pair", "check_padding", "conv_arguments", "explicit_padding", "output_size", "patch_cosine2d",
+           "patchwise_reference"]
 
 
 def pair(value, name: str, minimum: int) -> tuple[int, int]:
@@ -85,6 +86,29 @@ def output_size(size: tuple[int, int], kernel_size, stride, padding, dilation) -
     """(H', W') of a convolution with integer ``padding`` (the formula of :class:`torch.nn.Conv2d`)."""
     return [(n + 2 * p - d * (k - 1) - 1) // s + 1
             for n, p, d, k, s in zip(size, padding, dilation, kernel_size, stride)]
+
+
+def patchwise_reference(x: Tensor, weight: Tensor, fn, stride=1, padding=0, dilation=1, groups: int = 1) -> Tensor:
+    """A patch operator evaluated by its definition with ``unfold``: the loop the readable references share.
+
+    For each channel group, ``fn(kernels, patches, rows)`` receives the group's flattened kernels
+    Tensor[C_out / G, D], its unfolded receptive fields Tensor[B, D, L] (D = C_in / G * k_h * k_w, zero padding
+    included) and the slice of output channels it produces, and returns Tensor[B, C_out / G, L].  The whole
+    Tensor[B, D, L] is materialised, so this is for tests and benchmarks.  Integer padding.
+
+    Returns:
+        Tensor[B, C_out, H', W'].
+    """
+    b, c_in, c_out, kernel = x.shape[0], x.shape[1], weight.shape[0], tuple(weight.shape[2:])
+    outs = []
+    for g in range(groups):
+        rows = slice(g * c_out // groups, (g + 1) * c_out // groups)
+        xs = x[:, g * c_in // groups:(g + 1) * c_in // groups]
+        patches = F.unfold(xs, kernel, dilation=dilation, padding=padding, stride=stride)  # (B, D, L)
+        outs.append(fn(weight[rows].flatten(1), patches, rows))  # (B, C_out/G, L)
+    shape = output_size(x.shape[2:], kernel, pair(stride, "stride", 1), pair(padding, "padding", 0),
+                        pair(dilation, "dilation", 1))
+    return torch.cat(outs, 1).view(b, c_out, *shape)
 
 
 class _DivideByPatchNorm(torch.autograd.Function):

@@ -43,7 +43,7 @@ from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
 from ._checks import one_of, real_number
-from .patches import conv_arguments, output_size, pair, patch_cosine2d
+from .patches import conv_arguments, pair, patch_cosine2d, patchwise_reference
 
 __all__ = ["P_PARAMS", "P_MIN", "sharpen", "scs_conv2d", "scs_conv2d_reference", "SharpenedCosineSimilarity2d",
            "max_abs_pool2d", "MaxAbsPool2d"]
@@ -121,21 +121,15 @@ def scs_conv2d_reference(x: Tensor, weight: Tensor, p: float | Tensor = 2.0, q: 
     Materialises a Tensor[B, C_in / groups * k_h * k_w, L] per group: for tests and benchmarks.  No
     floors: a zero patch with q = 0 gives NaN here.  ``p`` may be a number or Tensor[C_out, 1, 1].
     """
-    b, c_out, kernel = x.shape[0], weight.shape[0], tuple(weight.shape[2:])
     p_flat = p.reshape(-1, 1) if isinstance(p, Tensor) else p  # (C_out, 1) or a number
-    outs = []
-    for g in range(groups):
-        xs = x[:, g * x.shape[1] // groups:(g + 1) * x.shape[1] // groups]
-        rows = slice(g * c_out // groups, (g + 1) * c_out // groups)
-        ks = weight[rows].flatten(1)  # (C_out/G, D)
-        patches = F.unfold(xs, kernel, dilation=dilation, padding=padding, stride=stride)  # (B, D, L)
+
+    def group(ks: Tensor, patches: Tensor, rows: slice) -> Tensor:
         dots = torch.einsum("od,bdl->bol", ks, patches)
         cos = dots / ((patches.norm(dim=1)[:, None, :] + q) * ks.norm(dim=1)[None, :, None])
         exponent = p_flat[rows] if isinstance(p_flat, Tensor) else p_flat
-        outs.append(torch.sign(cos) * cos.abs() ** exponent)  # (B, C_out/G, L)
-    shape = output_size(x.shape[2:], kernel, pair(stride, "stride", 1), pair(padding, "padding", 0),
-                        pair(dilation, "dilation", 1))
-    return torch.cat(outs, 1).view(b, c_out, *shape)
+        return torch.sign(cos) * cos.abs() ** exponent  # (B, C_out/G, L)
+
+    return patchwise_reference(x, weight, group, stride, padding, dilation, groups)
 
 
 class _ExpParam(nn.Module):

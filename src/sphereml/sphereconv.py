@@ -36,7 +36,7 @@ from torch.nn.utils import parametrize
 from ._checks import integer, real_number
 from .angular import angular_activation, check_angular
 from .geometry import normalize
-from .patches import conv_arguments, output_size, pair, patch_cosine2d
+from .patches import conv_arguments, patch_cosine2d, patchwise_reference
 
 __all__ = [
     "sphere_cosine2d", "sphere_conv2d", "sphere_conv2d_reference", "sphere_linear", "SphereConv2d", "SphereLinear",
@@ -107,19 +107,13 @@ def sphere_conv2d_reference(x: Tensor, weight: Tensor, stride=1, padding=0, dila
         Tensor[B, C_out, H', W'].
     """
     angular = check_angular(angular)
-    b, c_out = x.shape[0], weight.shape[0]
-    kernel = tuple(weight.shape[2:])
-    outs = []
-    for g in range(groups):
-        xs = x[:, g * x.shape[1] // groups:(g + 1) * x.shape[1] // groups]
-        ws = weight[g * c_out // groups:(g + 1) * c_out // groups].flatten(1)  # (C_out/G, D)
-        patches = F.unfold(xs, kernel, dilation=dilation, padding=padding, stride=stride)  # (B, D, L)
+
+    def group(ws: Tensor, patches: Tensor, rows: slice) -> Tensor:
         cos = torch.einsum("od,bdl->bol", ws, patches)
         cos = cos / (ws.norm(dim=1)[None, :, None] * patches.norm(dim=1)[:, None, :])
-        outs.append(_printed_angular(cos, angular, k))  # (B, C_out/G, L)
-    shape = output_size(x.shape[2:], kernel, pair(stride, "stride", 1), pair(padding, "padding", 0),
-                        pair(dilation, "dilation", 1))  # (H', W')
-    return torch.cat(outs, 1).view(b, c_out, *shape)
+        return _printed_angular(cos, angular, k)  # (B, C_out/G, L)
+
+    return patchwise_reference(x, weight, group, stride, padding, dilation, groups)
 
 
 def sphere_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, angular: str = "cosine",
