@@ -12,7 +12,7 @@ sqcosine     sign(cos theta) cos^2 theta                              eq. 4.14
 
 All four map [0, pi] onto [1, -1] with g(pi/2) = 0 and g(pi - theta) = -g(theta).  The first three
 (:data:`ANGULAR`) are SphereConv's and GA-Softmax's; square cosine (the decoupled networks' eq. 4.14,
-:data:`DECOUPLED_ANGULAR`) is computed as c |c| from c = cos(theta): C^1, with slope 0 at pi/2.  The
+:data:`DECOUPLED_ANGULAR`) is computed as c * abs(c) from c = cos(theta): C^1, with slope 0 at pi/2.  The
 sigmoid row is eq. 3.4 rewritten: the printed ratio of exponentials equals this tanh ratio
 exactly, and the tanh form cannot overflow (the printed form needs exp(pi / 2k), which is
 inf in float32 for k < 0.018).

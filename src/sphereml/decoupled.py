@@ -4,18 +4,18 @@ A convolution scores a patch x against a kernel w by w . x = ||w|| ||x|| cos(the
 operator keeps the two factors apart and replaces each: the *magnitude function* h of the norms
 (intra-class variation) and the *angular activation* g of the angle (semantic difference).
 
-=============  ================================================  ========  =================
+=============  ================================================  =========  ===============
 ``magnitude``  h(||x||), radius r                                 thesis    bounded
-=============  ================================================  ========  =================
-sphere         alpha                                              eq. 4.4   |f| <= alpha
-ball           alpha min(||x||, r) / r                            eq. 4.5   |f| <= alpha
-tanh           alpha tanh(||x|| / r)                              eq. 4.6   |f| <= alpha
+=============  ================================================  =========  ===============
+sphere         alpha                                              eq. 4.4   yes, by alpha
+ball           alpha min(||x||, r) / r                            eq. 4.5   yes, by alpha
+tanh           alpha tanh(||x|| / r)                              eq. 4.6   yes, by alpha
 linear         alpha ||x||                                        eq. 4.7   no
 seg            alpha ||x|| if ||x|| <= r, else                    eq. 4.8   no (beta > 0)
                beta ||x|| + (alpha - beta) r
 log            alpha log(1 + ||x||)                               eq. 4.9   no
 mix            alpha ||x|| + beta log(1 + ||x||)                  eq. 4.10  no
-=============  ================================================  ========  =================
+=============  ================================================  =========  ===============
 
 ``angular`` is any of :data:`~sphereml.angular.DECOUPLED_ANGULAR`: linear, cosine, sigmoid
 (eqs. 4.11-4.13, the SphereConv functions) and square cosine sign(cos) cos^2 (eq. 4.14).  beta
@@ -23,7 +23,8 @@ defaults to App. C.2's values: 0.5 for SegConv, 1 for MixConv.
 
 These *unweighted* operators drop ||w||: every kernel counts the same, and rescaling a kernel
 leaves the output unchanged (which is why weight projection, :func:`project_weights`, is safe for
-them; the optimisation aids of §4.4 are in :mod:`sphereml.decoupled_training`).  ``weighted`` gives the weighted forms of §4.3.5:
+them; the optimisation aids of §4.4 are in :mod:`sphereml.decoupled_training`).  ``weighted`` gives
+the weighted forms of §4.3.5:
 
 * ``"linear"`` (or True): ||w|| multiplies h.  Linearly weighted LinearConv with cosine g and
   alpha = 1 is ordinary convolution, ||w|| ||x|| cos(theta) = w . x.
