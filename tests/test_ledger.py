@@ -1,0 +1,87 @@
+"""The claims ledger: the committed page is the rendering of the committed snapshot, every claim on it has a
+source and was made by a chapter that exists, and the renderer escapes, counts and labels correctly."""
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from sphereml import ledger
+
+REPO = Path(__file__).resolve().parents[1]
+SNAPSHOT = REPO / "book" / "claims.json"
+
+
+def _metrics(tmp_path, chapter, profile, claims):
+    path = tmp_path / chapter / "metrics.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"chapter": chapter, "profile": profile, "device_name": "cpu", "torch": "2.x",
+                                "threads": 2, "claims": claims}))
+    return path
+
+
+def _claim(id, verdict="holds", ours=0.5, paper=None, statement="a | b"):
+    return {"id": id, "statement": statement, "source": "thesis Table 1", "paper": paper, "ours": ours,
+            "profile": "cpu", "verdict": verdict}
+
+
+def test_committed_page_is_the_rendering_of_the_committed_snapshot():
+    snapshot = ledger.load_snapshot(SNAPSHOT)
+    assert (REPO / "book" / "claims.md").read_text() == ledger.render(snapshot), \
+        "book/claims.md was edited by hand or is stale: run `python -m sphereml.book ledger`"
+
+
+def test_every_claim_of_the_ledger_comes_from_a_chapter_that_makes_it():
+    snapshot = ledger.load_snapshot(SNAPSHOT)
+    assert snapshot["chapters"], "the ledger is empty"
+    for chapter, runs in snapshot["chapters"].items():
+        source = (REPO / "notebooks" / f"{chapter}.md").read_text()
+        templates = [re.compile("^" + re.sub(r"\\\{[^}]*\\\}", ".+", re.escape(t)) + "$")
+                     for t in re.findall(r'f"([a-z0-9.\-{}_]+)"', source)]  # ids built by f-strings
+        for profile, run in runs.items():
+            assert profile in ("cpu", "gpu") and run["device_name"]
+            for record in run["claims"]:
+                assert record["statement"] and record["source"], record
+                assert record["verdict"] in ledger.LABELS, record
+                made = f'"{record["id"]}"' in source or any(t.match(record["id"]) for t in templates)
+                assert made, f"{chapter} names no claim {record['id']!r}"
+
+
+def test_every_chapter_with_claims_is_in_the_ledger():
+    snapshot = ledger.load_snapshot(SNAPSHOT)
+    for notebook in sorted((REPO / "notebooks").glob("*.md")):
+        if "ch.claim(" in notebook.read_text():
+            assert notebook.stem in snapshot["chapters"], f"{notebook.stem} has claims but no ledger entry"
+
+
+def test_collect_merges_profiles_skips_smoke_and_replaces_reruns(tmp_path):
+    first = _metrics(tmp_path, "01_a", "cpu", [_claim("x", "does not hold")])
+    smoke = _metrics(tmp_path / "s", "01_a", "smoke", [_claim("y")])
+    snapshot = ledger.collect([first, smoke])
+    assert list(snapshot["chapters"]["01_a"]) == ["cpu"]
+    gpu = _metrics(tmp_path / "g", "01_a", "gpu", [_claim("x", "holds")])
+    snapshot = ledger.collect([gpu], snapshot)
+    assert sorted(snapshot["chapters"]["01_a"]) == ["cpu", "gpu"]
+    rerun = _metrics(tmp_path / "r", "01_a", "cpu", [_claim("x", "not distinguishable", ours={"a": 0.123456789})])
+    snapshot = ledger.collect([rerun], snapshot)
+    assert snapshot["chapters"]["01_a"]["cpu"]["claims"][0]["verdict"] == "not distinguishable"
+    page = ledger.render(snapshot)
+    assert "within the noise at this scale" in page and "reproduced in direction" in page
+    assert "a \\| b" in page and "a 0.12346" in page  # pipes escaped, numbers shortened
+    assert "- `cpu` profile: 1 claims from 1 chapters: 0 reproduced in direction, 0 not reproduced, " \
+           "1 within the noise at this scale." in page
+
+
+def test_render_marks_missing_profiles_and_collect_rejects_bad_records(tmp_path):
+    snapshot = ledger.collect([_metrics(tmp_path, "02_b", "cpu", [_claim("z", paper=0.7)])])
+    page = ledger.render(snapshot)
+    assert "- `gpu` profile: not yet run for the ledger." in page
+    assert page.count("not yet run |") == 1  # the gpu verdict column of the one row
+    bad = _metrics(tmp_path / "bad", "03_c", "cpu", [_claim("w", verdict="maybe")])
+    with pytest.raises(ValueError, match="valid verdict"):
+        ledger.collect([bad])
+    no_source = _claim("v")
+    no_source["source"] = ""
+    with pytest.raises(ValueError, match="source"):
+        ledger.collect([_metrics(tmp_path / "ns", "03_c", "cpu", [no_source])])
