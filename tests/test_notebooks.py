@@ -85,3 +85,20 @@ def test_chapter_runs_in_smoke_profile(name, tmp_path, monkeypatch):
     assert not errors
     book.cache_executed_notebook(REPO / "notebooks" / f"{name}.ipynb", executed, SMOKE_CACHE)
     print(f"{name}: smoke run {seconds:.1f} s")
+
+
+@pytest.mark.parametrize("name", sorted(p.stem for p in (REPO / "notebooks").glob("*.md")))
+def test_chapter_opens_with_a_box_linking_the_code_it_uses(name):
+    """Right under its title, every chapter links the API reference of each sphereml module it imports."""
+    import re
+
+    source = (REPO / "notebooks" / f"{name}.md").read_text()
+    after_title = source.split("\n# ", 1)[1].split("\n", 1)[1].lstrip()
+    assert after_title.startswith("```{admonition} Code for this chapter"), f"{name} does not open with its code box"
+    box = after_title.split("\n```", 1)[0]
+    imported = set(re.findall(r"^from sphereml\.([a-z_]+) import", source, re.M))
+    for group in re.findall(r"^from sphereml import \(?([a-z_, ]+)", source, re.M):
+        imported |= {n.strip() for n in group.split(",") if n.strip()}
+    plumbing = {"chapter", "viz", "data", "timing", "train", "book"}
+    missing = sorted(m for m in imported - plumbing if f"{{py:mod}}`sphereml.{m}`" not in box)
+    assert not missing, f"{name}'s code box does not link {missing}"
