@@ -98,7 +98,7 @@ def test_chapter_opens_with_a_box_linking_the_code_it_uses(name):
     box = after_title.split("\n```", 1)[0]
     imported = set(re.findall(r"^from sphereml\.([a-z_]+) import", source, re.M))
     for group in re.findall(r"^from sphereml import \(?([a-z_, ]+)", source, re.M):
-        imported |= {n.strip() for n in group.split(",") if n.strip()}
+        imported |= {n.split(" as ")[0].strip() for n in group.split(",") if n.strip()}
     plumbing = {"chapter", "viz", "data", "timing", "train", "book"}
     missing = sorted(m for m in imported - plumbing if f"{{py:mod}}`sphereml.{m}`" not in box)
     assert not missing, f"{name}'s code box does not link {missing}"
