@@ -331,7 +331,7 @@ class OrthogonalSGD(torch.optim.Optimizer):
         for group in self.param_groups:
             if group["orthogonal"]:
                 for p in group["params"]:
-                    orth.check_square(p)
+                    orth.check_square(p, "an orthogonal parameter")
 
     @torch.no_grad()
     def step(self, closure=None):

@@ -41,12 +41,13 @@ __all__ = ["check_square", "gram_schmidt", "householder", "qr_orthogonalize", "l
 _TINY = 1e-30  # a floor on squared norms: zero vectors give zeros, never NaN
 
 
-def check_square(u: Tensor) -> Tensor:
-    """``u`` if it is a floating-point Tensor[..., m, m]; a ValueError otherwise."""
+def check_square(u: Tensor, name: str = "u") -> Tensor:
+    """``u`` if it is a floating-point Tensor[..., m, m]; a ValueError naming the argument ``name`` otherwise."""
     if not isinstance(u, Tensor) or u.dim() < 2 or u.shape[-1] != u.shape[-2]:
-        raise ValueError(f"expected a Tensor[..., m, m] of square matrices, got shape {tuple(getattr(u, 'shape', ()))}")
+        raise ValueError(f"{name} must be a Tensor[..., m, m] of square matrices, "
+                         f"got shape {tuple(getattr(u, 'shape', ()))}")
     if not torch.is_floating_point(u):
-        raise ValueError(f"expected a floating-point tensor, got {u.dtype}")
+        raise ValueError(f"{name} must be a floating-point tensor, got {u.dtype}")
     return u
 
 
@@ -175,14 +176,14 @@ def cayley(a: Tensor) -> Tensor:
     rotation with eigenvalue -1.  ``torch.nn.utils.parametrizations.orthogonal`` with
     ``orthogonal_map="cayley"`` computes the same map of A / 2.
     """
-    check_square(a)
+    check_square(a, "a")
     eye = torch.eye(a.shape[-1], dtype=a.dtype, device=a.device)
     return torch.linalg.solve(eye - a, eye + a)
 
 
 def exp_map(a: Tensor) -> Tensor:
     """exp(A) of a skew-symmetric ``a`` (§7.3.4); ``cayley(a / 2)`` approximates it to third order."""
-    check_square(a)
+    check_square(a, "a")
     return torch.linalg.matrix_exp(a)
 
 
@@ -229,6 +230,6 @@ def cayley_sgd_step(u: Tensor, direction: Tensor, lr: float, iterations: int | N
 
 def orthogonality_error(r: Tensor) -> Tensor:
     """the largest entry of abs(R^T R - I) (per matrix of a batch: the max over all of them)."""
-    check_square(r)
+    check_square(r, "r")
     eye = torch.eye(r.shape[-1], dtype=r.dtype, device=r.device)
     return (r.mT @ r - eye).abs().amax()
