@@ -37,10 +37,12 @@ Note [radius normalisation]
     layer's patch norms, "similar to BN": without it most radii in the middle layers never move.
     The seeds do not say whether training uses the batch mean or the average; we use the batch
     mean in training (as BatchNorm does) and the running average, a no-grad buffer, in evaluation.
-    The average is cumulative over the first 1 / momentum batches and exponential (momentum 0.1) after,
-    so it does not start from an arbitrary value; ``momentum=None`` keeps it cumulative, as BatchNorm's.  The seeds keep one mean
-    per kernel; in a convolution every kernel sees the same patches, so one scalar per layer is the
-    same thing.  With ``radius_norm=True`` a train-mode output is invariant to rescaling the input.
+    The average is cumulative over the first 1 / momentum batches and exponential (momentum 0.1)
+    after, so it does not start from an arbitrary value; ``momentum=None`` keeps it cumulative, as
+    BatchNorm's.  The seeds keep one mean per kernel; in a convolution every kernel sees the same
+    patches, so one scalar per layer is the same thing.  With ``radius_norm=True`` a train-mode
+    output is invariant to rescaling the input.  Before evaluating a network trained briefly,
+    :func:`~sphereml.train.recalibrate` re-estimates the average with the weights frozen.
 
 Note [decoupled operator by convolution]
     Like SphereConv (:mod:`sphereml.patches`), nothing is unfolded: u = conv(x, w_hat) is one

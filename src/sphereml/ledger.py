@@ -95,7 +95,8 @@ def _summary(snapshot: dict) -> list[str]:
 def _chapter_rows(name: str, runs: dict) -> list[str]:
     ids = list(dict.fromkeys(r["id"] for profile in ("cpu", "gpu") for r in runs.get(profile, {}).get("claims", [])))
     by_profile = {p: {r["id"]: r for r in runs.get(p, {}).get("claims", [])} for p in ("cpu", "gpu")}
-    rows = ["| claim | source | paper | ours (`cpu`) | verdict (`cpu`) | verdict (`gpu`) |", "|---|---|---|---|---|---|"]
+    rows = ["| claim | source | paper | ours (`cpu`) | verdict (`cpu`) | verdict (`gpu`) |",
+            "|---|---|---|---|---|---|"]
     for claim_id in ids:
         cpu, gpu = by_profile["cpu"].get(claim_id), by_profile["gpu"].get(claim_id)
         record = cpu or gpu
