@@ -65,12 +65,12 @@ from torch.nn.utils import parametrize
 
 from ._checks import integer, one_of, real_number
 from .angular import DECOUPLED_ANGULAR, angular_activation, angular_function, check_angular, check_k
-from .patches import conv_arguments, explicit_padding, pair, patchwise_reference
+from .patches import conv_arguments, explicit_padding, pair, patch_norm2d, patchwise_reference
 from .sphereconv import Positive
 
 __all__ = [
     "MAGNITUDES", "RADIUS_MAGNITUDES", "BOUNDED_MAGNITUDES", "WEIGHTINGS", "default_beta", "magnitude_function",
-    "patch_norm2d", "decoupled_conv2d", "decoupled_conv2d_reference", "decoupled_linear", "DecoupledConv2d",
+    "decoupled_conv2d", "decoupled_conv2d_reference", "decoupled_linear", "DecoupledConv2d",
     "DecoupledLinear", "decoupled_layers", "decoupled_factory", "RHO_FLOOR",
 ]
 
@@ -143,19 +143,25 @@ def _magnitude_over_norm(norm: Tensor, magnitude: str, alpha: float, beta: float
     return magnitude_function(norm, magnitude, alpha, beta, radius) / norm
 
 
-def patch_norm2d(x: Tensor, kernel_size, stride=1, padding=0, dilation=1, groups: int = 1,
-                 eps: float = 1e-6) -> Tensor:
-    """||x|| of every receptive-field patch of each channel group, floored at ``eps``
-    (Note [patch norm by convolution] in :mod:`sphereml.patches`; integer padding).
+def _conv_parts(x: Tensor, weight: Tensor, stride, padding, dilation, groups: int, eps: float):
+    """(u = conv(x, w_hat) Tensor[B, C_out, H', W'], patch norms Tensor[B, G, H', W'], ||w|| Tensor[C_out]):
+    everything the operator needs from a convolution (Note [decoupled operator by convolution])."""
+    kernel_size = tuple(weight.shape[2:])
+    stride, dilation = pair(stride, "stride", 1), pair(dilation, "dilation", 1)
+    x, padding = explicit_padding(x, padding, kernel_size, stride, dilation)
+    w_norm = weight.flatten(1).norm(dim=1).clamp_min(eps)
+    inner = F.conv2d(x, weight / w_norm.view(-1, 1, 1, 1), None, stride, padding, dilation, groups)
+    return inner, patch_norm2d(x, kernel_size, stride, padding, dilation, groups, eps), w_norm
 
-    Returns:
-        Tensor[B, groups, H', W'].
-    """
-    b, c, h, w = x.shape
-    energy = x.square().reshape(b, groups, c // groups, h, w).sum(2)  # (B, G, H, W)
-    ones = energy.new_ones(groups, 1, *pair(kernel_size, "kernel_size", 1))
-    squares = F.conv2d(energy, ones, None, stride, padding, dilation, groups)  # (B, G, H', W')
-    return squares.clamp_min(eps * eps).sqrt()
+
+def _linear_parts(x: Tensor, weight: Tensor, eps: float):
+    """(u Tensor[N, out, 1] with the units on axis 1, ||x|| Tensor[N, 1, 1], ||w|| Tensor[out]) for x flattened
+    to Tensor[N, in]: the fully connected counterpart of :func:`_conv_parts`."""
+    w_norm = weight.norm(dim=1).clamp_min(eps)
+    flat = x.reshape(-1, weight.shape[1])
+    inner = F.linear(flat, weight / w_norm[:, None]).unsqueeze(-1)
+    norm = flat.square().sum(-1).clamp_min(eps * eps).sqrt().view(-1, 1, 1)
+    return inner, norm, w_norm
 
 
 def _per_channel(norm: Tensor, channels: int) -> Tensor:
@@ -214,13 +220,7 @@ def decoupled_conv2d(x: Tensor, weight: Tensor, stride=1, padding=0, dilation=1,
     magnitude, weighted = _check_magnitude(magnitude), _check_weighted(weighted, magnitude)
     angular = check_angular(angular, DECOUPLED_ANGULAR)
     beta = default_beta(magnitude, beta)
-    kernel_size = tuple(weight.shape[2:])
-    stride, dilation = pair(stride, "stride", 1), pair(dilation, "dilation", 1)
-    x, padding = explicit_padding(x, padding, kernel_size, stride, dilation)
-    w_norm = weight.flatten(1).norm(dim=1).clamp_min(eps)  # (C_out,)
-    w_hat = weight / w_norm.view(-1, 1, 1, 1)
-    inner = F.conv2d(x, w_hat, None, stride, padding, dilation, groups)  # (B, C_out, H', W')
-    norm = patch_norm2d(x, kernel_size, stride, padding, dilation, groups, eps)  # (B, G, H', W')
+    inner, norm, w_norm = _conv_parts(x, weight, stride, padding, dilation, groups, eps)
     return _response(inner, norm, w_norm, magnitude, angular, alpha, beta, _radius(rho, norm_mean), rho, k,
                      weighted)
 
@@ -233,10 +233,7 @@ def decoupled_linear(x: Tensor, weight: Tensor, magnitude: str = "tanh", angular
     ``weight`` (Tensor[out, in]); other arguments as in :func:`decoupled_conv2d`.  Returns Tensor[..., out]."""
     magnitude, weighted = _check_magnitude(magnitude), _check_weighted(weighted, magnitude)
     angular = check_angular(angular, DECOUPLED_ANGULAR)
-    w_norm = weight.norm(dim=1).clamp_min(eps)
-    flat = x.reshape(-1, x.shape[-1])
-    inner = F.linear(flat, weight / w_norm[:, None]).unsqueeze(-1)  # (N, out, 1): units on axis 1
-    norm = flat.square().sum(-1).clamp_min(eps * eps).sqrt().view(-1, 1, 1)  # (N, 1, 1)
+    inner, norm, w_norm = _linear_parts(x, weight, eps)
     out = _response(inner, norm, w_norm, magnitude, angular, alpha, default_beta(magnitude, beta),
                     _radius(rho, norm_mean), rho, k, weighted)
     return out.reshape(*x.shape[:-1], weight.shape[0])
@@ -385,12 +382,8 @@ class DecoupledConv2d(_DecoupledMixin, nn.Conv2d):
         if self.padding_mode != "zeros":
             x = F.pad(x, self._reversed_padding_repeated_twice, mode=self.padding_mode)
             padding = 0
-        x, padding = explicit_padding(x, padding, self.kernel_size, self.stride, self.dilation)
-        w_norm = self.weight.flatten(1).norm(dim=1).clamp_min(self.eps)
-        inner = F.conv2d(x, self.weight / w_norm.view(-1, 1, 1, 1), None, self.stride, padding, self.dilation,
-                         self.groups)
-        norm = patch_norm2d(x, self.kernel_size, self.stride, padding, self.dilation, self.groups, self.eps)
-        out = self._operator(inner, norm, w_norm)
+        out = self._operator(*_conv_parts(x, self.weight, self.stride, padding, self.dilation, self.groups,
+                                          self.eps))
         return out if self.bias is None else out + self.bias.view(-1, 1, 1)
 
     def extra_repr(self) -> str:
@@ -415,11 +408,7 @@ class DecoupledLinear(_DecoupledMixin, nn.Linear):
     def forward(self, x: Tensor) -> Tensor:
         if x.dim() < 1 or x.shape[-1] != self.in_features:
             raise ValueError(f"input must be Tensor[..., {self.in_features}], got shape {tuple(x.shape)}")
-        w_norm = self.weight.norm(dim=1).clamp_min(self.eps)
-        flat = x.reshape(-1, self.in_features)
-        inner = F.linear(flat, self.weight / w_norm[:, None]).unsqueeze(-1)  # (N, out, 1): units on axis 1
-        norm = flat.square().sum(-1).clamp_min(self.eps ** 2).sqrt().view(-1, 1, 1)  # (N, 1, 1)
-        out = self._operator(inner, norm, w_norm).squeeze(-1)
+        out = self._operator(*_linear_parts(x, self.weight, self.eps)).squeeze(-1)
         out = out if self.bias is None else out + self.bias
         return out.reshape(*x.shape[:-1], self.out_features)
 

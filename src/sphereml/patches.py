@@ -33,7 +33,7 @@ from ._checks import integer
 from .geometry import normalize
 
 __all__ = ["pair", "check_padding", "conv_arguments", "explicit_padding", "output_size", "patch_cosine2d",
-           "patchwise_reference"]
+           "patch_norm2d", "patchwise_reference"]
 
 
 def pair(value, name: str, minimum: int) -> tuple[int, int]:
@@ -86,6 +86,21 @@ def output_size(size: tuple[int, int], kernel_size, stride, padding, dilation) -
     """(H', W') of a convolution with integer ``padding`` (the formula of :class:`torch.nn.Conv2d`)."""
     return [(n + 2 * p - d * (k - 1) - 1) // s + 1
             for n, p, d, k, s in zip(size, padding, dilation, kernel_size, stride)]
+
+
+def patch_norm2d(x: Tensor, kernel_size, stride=1, padding=0, dilation=1, groups: int = 1,
+                 eps: float = 1e-6) -> Tensor:
+    """||x|| of every receptive-field patch of each channel group, floored at ``eps``
+    (Note [patch norm by convolution] in :mod:`sphereml.patches`; integer padding).
+
+    Returns:
+        Tensor[B, groups, H', W'].
+    """
+    b, c, h, w = x.shape
+    energy = x.square().reshape(b, groups, c // groups, h, w).sum(2)  # (B, G, H, W)
+    ones = energy.new_ones(groups, 1, *pair(kernel_size, "kernel_size", 1))
+    squares = F.conv2d(energy, ones, None, stride, padding, dilation, groups)  # (B, G, H', W')
+    return squares.clamp_min(eps * eps).sqrt()
 
 
 def patchwise_reference(x: Tensor, weight: Tensor, fn, stride=1, padding=0, dilation=1, groups: int = 1) -> Tensor:
