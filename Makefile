@@ -12,7 +12,7 @@ STAMP := $(VENV)/.sphereml-installed
 JB_FLAGS := -W --keep-going
 PYTEST_ARGS ?=
 
-.PHONY: setup test book book-smoke bench sync clean
+.PHONY: setup torch-index test book book-smoke bench sync clean
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml
@@ -22,10 +22,21 @@ $(STAMP): pyproject.toml
 	  $(BIN)/pip install "torch==$(TORCH_VERSION)"; \
 	else \
 	  echo "no NVIDIA GPU: installing CPU torch $(TORCH_VERSION)"; \
-	  $(BIN)/pip install "torch==$(TORCH_VERSION)" --extra-index-url $(TORCH_CPU_INDEX); \
+	  $(BIN)/pip install "torch==$(TORCH_VERSION)" $$($(MAKE) -s torch-index); \
 	fi
 	$(BIN)/pip install -e ".[book,test]"
 	@touch $@
+
+# pip's arguments for CPU torch: the CPU wheel index when it answers within 5 s, nothing otherwise (a
+# machine whose own index or wheel cache serves CPU torch, and which cannot reach the PyTorch index, then
+# installs at once instead of pip retrying that index five times for every dependency).
+torch-index:
+	@if $(PYTHON) -c "import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=5)" \
+	     "$(TORCH_CPU_INDEX)/" >/dev/null 2>&1; then \
+	  echo "--extra-index-url $(TORCH_CPU_INDEX)"; \
+	else \
+	  echo "$(TORCH_CPU_INDEX) unreachable: torch from the default index" >&2; \
+	fi
 
 test: $(STAMP)
 	SPHEREML_NO_DOWNLOAD=1 $(BIN)/python -m pytest $(PYTEST_ARGS)

@@ -35,3 +35,20 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "needs_cuda" in item.keywords:
             item.add_marker(skip)
+
+
+_FUZZ_CASES = pytest.StashKey()
+
+
+@pytest.fixture
+def fuzz_cases(request):
+    """A Counter of fuzz cases run, per test; the terminal summary reports the total."""
+    from collections import Counter
+
+    return request.config.stash.setdefault(_FUZZ_CASES, Counter())
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    cases = config.stash.get(_FUZZ_CASES, None)
+    if cases:
+        terminalreporter.write_line(f"fuzzing: {sum(cases.values())} cases over {len(cases)} property tests")

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from sphereml.angular import ANGULAR, angular_activation, angular_function
-from sphereml.geometry import chebyshev_cos, multiplicative_psi, normalize, psi
+from sphereml.geometry import chebyshev_cos, multiplicative_psi, normalize
 from sphereml.margins import (
     ArcFaceLoss,
     ASoftmaxLoss,

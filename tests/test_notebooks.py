@@ -8,6 +8,11 @@ of executing the chapter a second time.
 
 import ast
 import json
+import math
+import os
+import re
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -20,6 +25,10 @@ from sphereml import book
 
 REPO = Path(__file__).resolve().parents[1]
 SMOKE_CACHE = REPO / "_build" / "smoke" / "_build" / ".jupyter_cache"
+OFFLINE = REPO / "tests" / "offline"  # its sitecustomize refuses every connection that leaves the machine
+FIRST_RUNS: dict[str, Path] = {}  # chapter -> metrics.json of its smoke run in this session
+EXECUTED: dict[str, Path] = {}  # chapter -> its executed notebook from that run
+PINNED = REPO / "tests" / "regression"  # the pinned outputs of the cells tagged "regression"
 
 
 def toc_chapters() -> list[str]:
@@ -67,10 +76,27 @@ def test_pairing_has_not_drifted(name):
     assert sorted(book.chapter_parameters(REPO / "notebooks" / f"{name}.ipynb")) == sorted(names)
 
 
+@pytest.fixture
+def offline_smoke(monkeypatch):
+    """The smoke profile, and no network for the kernels papermill starts (they inherit PYTHONPATH)."""
+    monkeypatch.setenv("SPHEREML_PROFILE", "smoke")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(OFFLINE), os.environ.get("PYTHONPATH")])))
+
+
+def test_the_chapters_kernels_have_no_network(offline_smoke):
+    """What the chapter kernels inherit refuses connections and name lookups that leave the machine."""
+    probe = ("import socket, urllib.request\n"
+             "for url in ('http://93.184.216.34/', 'https://download.pytorch.org/whl/cpu/'):\n"
+             "    try:\n        urllib.request.urlopen(url, timeout=5)\n    except OSError as e:\n        print(e)\n"
+             "s = socket.socket()\ntry:\n    s.connect(('127.0.0.1', 9))\nexcept ConnectionRefusedError:\n"
+             "    print('loopback open')\n")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60).stdout
+    assert out.count("network access refused") == 2 and "loopback open" in out, out
+
+
 @pytest.mark.notebook
 @pytest.mark.parametrize("name", CHAPTERS)
-def test_chapter_runs_in_smoke_profile(name, tmp_path, monkeypatch):
-    monkeypatch.setenv("SPHEREML_PROFILE", "smoke")
+def test_chapter_runs_in_smoke_profile(name, offline_smoke):
     out = REPO / "_build" / "runs" / "smoke" / name
     start = time.perf_counter()
     executed = book.run_chapter(name, {}, out)
@@ -84,7 +110,54 @@ def test_chapter_runs_in_smoke_profile(name, tmp_path, monkeypatch):
     errors = [o for c in run.cells if c.cell_type == "code" for o in c.outputs if o.output_type == "error"]
     assert not errors
     book.cache_executed_notebook(REPO / "notebooks" / f"{name}.ipynb", executed, SMOKE_CACHE)
+    FIRST_RUNS[name] = out / "metrics.json"
+    EXECUTED[name] = Path(executed)
     print(f"{name}: smoke run {seconds:.1f} s")
+
+
+# Values that measure the machine rather than the mathematics: wall times and ratios of times.
+TIMING = re.compile(r"seconds|timing|time\b|time_ratio|step_ratios", re.I)
+
+
+def _flatten(obj, path=""):
+    if isinstance(obj, dict):
+        for key, value in obj.items():
+            yield from _flatten(value, f"{path}/{key}")
+    elif isinstance(obj, list):
+        for i, value in enumerate(obj):
+            yield from _flatten(value, f"{path}/{i}")
+    else:
+        yield path, obj
+
+
+def metrics_differences(a: dict, b: dict) -> list[str]:
+    """Paths where two metrics.json differ, timings excluded (NaN equals NaN)."""
+    fa, fb = dict(_flatten(a)), dict(_flatten(b))
+    same = lambda x, y: x == y or (isinstance(x, float) and isinstance(y, float) and math.isnan(x) and math.isnan(y))  # noqa: E731
+    return sorted(f"{k}: {fa.get(k)!r} != {fb.get(k)!r}" for k in fa.keys() | fb.keys()
+                  if not TIMING.search(k) and not same(fa.get(k), fb.get(k)))
+
+
+def test_metrics_comparison_sees_changes_but_not_timings():
+    a = {"acc": 0.5, "curve": [1.0, float("nan")], "fit": {"seconds": 3.0}, "layer_timing_ms": {"conv": 1.0}}
+    b = {"acc": 0.5, "curve": [1.0, float("nan")], "fit": {"seconds": 4.0}, "layer_timing_ms": {"conv": 2.0}}
+    assert metrics_differences(a, b) == []
+    b["curve"][0] = 1.0000001
+    assert metrics_differences(a, b) == ["/curve/0: 1.0 != 1.0000001"]
+
+
+@pytest.mark.notebook
+@pytest.mark.parametrize("name", CHAPTERS)
+def test_chapter_is_deterministic(name, offline_smoke, tmp_path):
+    """Run again with the same seed and profile, a chapter writes the same metrics.json (timings aside)."""
+    first = FIRST_RUNS.get(name)
+    if first is None:  # the smoke-run test did not run in this session
+        book.run_chapter(name, {}, tmp_path / "first")
+        first = tmp_path / "first" / "metrics.json"
+    book.run_chapter(name, {}, tmp_path / "second")
+    differences = metrics_differences(json.loads(first.read_text()),
+                                      json.loads((tmp_path / "second" / "metrics.json").read_text()))
+    assert not differences, f"{name} is not deterministic:\n" + "\n".join(differences[:20])
 
 
 @pytest.mark.parametrize("name", sorted(p.stem for p in (REPO / "notebooks").glob("*.md")))
@@ -102,3 +175,47 @@ def test_chapter_opens_with_a_box_linking_the_code_it_uses(name):
     plumbing = {"chapter", "viz", "data", "timing", "train", "book"}
     missing = sorted(m for m in imported - plumbing if f"{{py:mod}}`sphereml.{m}`" not in box)
     assert not missing, f"{name}'s code box does not link {missing}"
+
+
+def pinned_cells(notebook) -> nbformat.NotebookNode:
+    """The cells tagged ``regression`` with their source and text outputs (stdout and plain-text results)."""
+    kept = nbformat.v4.new_notebook()
+    tagged = [c for c in notebook.cells if "regression" in c.metadata.get("tags", [])]
+    for i, cell in enumerate(tagged):
+        pinned = nbformat.v4.new_code_cell(cell.source, id=f"pinned-{i}")
+        # stdout arrives in chunks that depend on when the kernel flushed: one output for all of it
+        stdout = "".join(o.text for o in cell.outputs if o.output_type == "stream" and o.name == "stdout")
+        if stdout:
+            pinned.outputs.append(nbformat.v4.new_output("stream", name="stdout", text=stdout))
+        for out in cell.outputs:
+            if out.output_type == "execute_result" and "text/plain" in out.data:
+                pinned.outputs.append(nbformat.v4.new_output("execute_result", {"text/plain": out.data["text/plain"]},
+                                                             execution_count=None))
+        kept.cells.append(pinned)
+    return kept
+
+
+REGRESSION_CHAPTERS = [n for n in CHAPTERS if ":tags: [regression" in (REPO / "notebooks" / f"{n}.md").read_text()
+                       or ", regression]" in (REPO / "notebooks" / f"{n}.md").read_text()]
+
+
+@pytest.mark.notebook
+@pytest.mark.parametrize("name", REGRESSION_CHAPTERS)
+def test_pinned_outputs_are_unchanged(name, offline_smoke, tmp_path):
+    """The deterministic cells (proof checks, closed forms, exact tables: tagged ``regression``) print what
+    tests/regression/NAME.ipynb pinned; a change fails with pytest-notebook's cell-by-cell diff.  After an
+    intended change: SPHEREML_REGEN=1 python -m pytest tests/test_notebooks.py -k pinned."""
+    from pytest_notebook import diffing
+
+    executed = EXECUTED.get(name) or book.run_chapter(name, {}, tmp_path)
+    ours = pinned_cells(nbformat.read(executed, as_version=4))
+    assert ours.cells, f"{name} has no cell tagged regression"
+    path = PINNED / f"{name}.ipynb"
+    if os.environ.get("SPHEREML_REGEN") == "1":
+        PINNED.mkdir(exist_ok=True)
+        nbformat.write(ours, path)
+    assert path.is_file(), f"no pinned outputs for {name}: run with SPHEREML_REGEN=1 once"
+    pinned = nbformat.read(path, as_version=4)
+    diff = diffing.filter_diff(diffing.diff_notebooks(pinned, ours), ["/metadata", "/nbformat_minor"])
+    assert not diff, (f"{name}: pinned outputs changed (SPHEREML_REGEN=1 re-pins an intended change)\n"
+                      + diffing.diff_to_string(pinned, diff, use_git=False, use_diff=True, use_color=False))

@@ -79,6 +79,8 @@ def angle_distortion(w: Tensor, p: Tensor) -> Tensor:
     takes an unsquared Frobenius norm; the minimiser is the same, only the scale differs."""
     flat = _rows(w)
     _check_projections(p, flat.shape[1])
+    if len(flat) < 2:
+        raise ValueError(f"w must hold at least 2 neurons to have pairs, got {len(flat)}")
     unit = normalize(flat)
     cos = unit @ unit.mT  # (N, N)
     projected = normalize(flat @ p.mT)  # (C, N, k)

@@ -65,6 +65,7 @@ from torch.nn.utils import parametrize
 
 from ._checks import integer, one_of, real_number
 from .angular import DECOUPLED_ANGULAR, angular_activation, angular_function, check_angular, check_k
+from .geometry import safe_norm
 from .patches import conv_arguments, explicit_padding, pair, patch_norm2d, patchwise_reference
 from .sphereconv import Positive
 
@@ -160,7 +161,7 @@ def _linear_parts(x: Tensor, weight: Tensor, eps: float):
     w_norm = weight.norm(dim=1).clamp_min(eps)
     flat = x.reshape(-1, weight.shape[1])
     inner = F.linear(flat, weight / w_norm[:, None]).unsqueeze(-1)
-    norm = flat.square().sum(-1).clamp_min(eps * eps).sqrt().view(-1, 1, 1)
+    norm = safe_norm(flat, dim=-1).clamp_min(eps).view(-1, 1, 1)  # Note [patch norm without overflow]
     return inner, norm, w_norm
 
 

@@ -33,6 +33,18 @@ def _check_eps(eps: float) -> None:
         raise ValueError(f"eps must be > 0, got {eps}")
 
 
+def safe_norm(x: Tensor, dim: int = -1, keepdim: bool = False) -> Tensor:
+    """||x|| along ``dim`` with no overflow or underflow of the squares: s ||x / s|| with s = max |x_i|.
+
+    ``torch.linalg.vector_norm`` squares the entries, so in float32 (and bfloat16) a vector longer than
+    about 1.8e19 has norm inf and one shorter than about 1e-19 has norm 0.  The scale s is detached, so the
+    gradient is exactly x / ||x||; a zero vector has norm 0.
+    """
+    scale = x.detach().abs().amax(dim=dim, keepdim=True).clamp_min(torch.finfo(x.dtype).tiny)
+    norm = torch.linalg.vector_norm(x / scale, dim=dim, keepdim=True) * scale
+    return norm if keepdim else norm.squeeze(dim)
+
+
 def normalize(x: Tensor, dim: int = -1, eps: float = 1e-12) -> Tensor:
     """Project ``x`` onto the unit sphere along ``dim``: x / max(||x||, eps).
 
@@ -46,8 +58,7 @@ def normalize(x: Tensor, dim: int = -1, eps: float = 1e-12) -> Tensor:
         Tensor of the same shape, unit norm along ``dim`` (zero vectors stay zero).
     """
     _check_eps(eps)
-    norm = torch.linalg.vector_norm(x, dim=dim, keepdim=True)
-    return x / norm.clamp_min(eps)
+    return x / safe_norm(x, dim=dim, keepdim=True).clamp_min(eps)
 
 
 def cosine_matrix(a: Tensor, b: Tensor | None = None, eps: float = 1e-12) -> Tensor:

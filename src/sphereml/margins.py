@@ -43,7 +43,7 @@ from torch import Tensor, nn
 
 from ._checks import integer, labels as check_labels, real_number
 from .angular import angular_activation, angular_function, check_angular, stable_arccos
-from .geometry import arcface_psi, integer_margin, multiplicative_psi, normalize, psi
+from .geometry import arcface_psi, integer_margin, multiplicative_psi, normalize, psi, safe_norm
 from .schedules import LambdaSchedule
 
 __all__ = [
@@ -74,7 +74,7 @@ class _WeightNormalizedLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, eps: float) -> Tensor:
-        norm = torch.linalg.vector_norm(weight, dim=1)
+        norm = safe_norm(weight, dim=1)
         inv = norm.clamp_min(eps).reciprocal()  # (C,)
         out = (x @ weight.T) * inv  # (B, C)
         ctx.save_for_backward(x, weight, inv, out, norm >= eps)
@@ -149,7 +149,8 @@ class _MarginHead(nn.Module):
         idx = labels[:, None]
         logit_y, scale_y = logits.gather(1, idx), self._scale(features, labels)  # (B, 1) each
         cos_y = self._target_cosine(features, labels, logit_y, scale_y)
-        return logits.scatter(1, idx, self._target(cos_y, logit_y, scale_y))
+        target = self._target(cos_y, logit_y, scale_y)
+        return logits.scatter(1, idx, target.to(logits.dtype))  # autocast may compute them in different dtypes
 
     def _target_cosine(self, features: Tensor, labels: Tensor, logit_y: Tensor, scale_y: Tensor) -> Tensor:
         """cos(theta_y), Tensor[B, 1]: here the target logit over its scale (logits are scale * cos)."""
@@ -187,7 +188,7 @@ class NormalizedSoftmaxLoss(_MarginHead):
 
     def _scale(self, features, labels):
         if self.s is None:
-            return torch.linalg.vector_norm(features, dim=1, keepdim=True)
+            return safe_norm(features, dim=1, keepdim=True)
         return features.new_full((features.shape[0], 1), self.s)
 
     def _target(self, cos_y, logit_y, scale_y):
@@ -241,8 +242,8 @@ class LSoftmaxLoss(_MarginHead):
         return features @ self.weight.T
 
     def _scale(self, features, labels):
-        w_norm = torch.linalg.vector_norm(self.weight, dim=1)[labels]  # gathers C norms, not C x d rows
-        return torch.linalg.vector_norm(features, dim=1, keepdim=True) * w_norm[:, None]
+        w_norm = safe_norm(self.weight, dim=1)[labels]  # gathers C norms, not C x d rows
+        return safe_norm(features, dim=1, keepdim=True) * w_norm[:, None]
 
     def _target(self, cos_y, logit_y, scale_y):
         return _anneal(logit_y, scale_y * multiplicative_psi(cos_y, self.m), _current_lambda(self))
@@ -367,7 +368,7 @@ class GASoftmaxLoss(_MarginHead):
 
     def _scale_of(self, features: Tensor) -> Tensor:
         if self.s is None:
-            return torch.linalg.vector_norm(features, dim=1, keepdim=True)  # (B, 1)
+            return safe_norm(features, dim=1, keepdim=True)  # (B, 1)
         return features.new_full((features.shape[0], 1), self.s)
 
     def _scale(self, features, labels):

@@ -175,6 +175,9 @@ def angular_fisher_score(features: Tensor, labels: Tensor) -> float:
         centre = members.mean(0, keepdim=True)
         s_w += float((1 - cosine_matrix(members, centre)).sum())
         s_b += len(members) * float(1 - cosine_matrix(centre, overall))
+    if s_b <= 0.0:
+        raise ValueError("angular_fisher_score is undefined when every class mean points along the overall mean "
+                         "(S_b = 0): the features do not separate the classes by angle")
     return s_w / s_b
 
 

@@ -51,6 +51,14 @@ def check_square(u: Tensor, name: str = "u") -> Tensor:
     return u
 
 
+def _rescaled(u: Tensor) -> Tensor:
+    """``u`` divided by its largest |entry| (per matrix, detached).  The orthogonalisers below return the same Q
+    for U and cU (c > 0), and on the rescaled matrix their squared norms neither overflow nor underflow in
+    float32; the gradient is unchanged, Q being scale-invariant."""
+    scale = u.detach().abs().amax(dim=(-2, -1), keepdim=True).clamp_min(torch.finfo(u.dtype).tiny)
+    return u / scale
+
+
 def _unit(x: Tensor) -> Tensor:
     return x * (x * x).sum(-1, keepdim=True).clamp_min(_TINY).rsqrt()
 
@@ -69,7 +77,7 @@ def gram_schmidt(u: Tensor, modified: bool = False) -> Tensor:
     Returns:
         Tensor[..., m, m] with orthonormal rows.
     """
-    check_square(u)
+    u = _rescaled(check_square(u))
     rows = []
     if modified:
         rest = u
@@ -118,7 +126,7 @@ def householder(u: Tensor, stable: bool = True) -> Tensor:
     Returns:
         Tensor[..., m, m], orthogonal.
     """
-    check_square(u)
+    u = _rescaled(check_square(u))
     m = u.shape[-1]
     a = u
     q = torch.eye(m, dtype=u.dtype, device=u.device).expand_as(u)
@@ -142,7 +150,7 @@ def qr_orthogonalize(u: Tensor, rows: bool = True) -> Tensor:
     Gram-Schmidt orthonormalisation of the rows of U, as :func:`gram_schmidt` computes them.
     One QR call instead of a loop of m steps: the fast path of :mod:`sphereml.opt`.
     """
-    check_square(u)
+    u = _rescaled(check_square(u))
     a = u.mT if rows else u
     q, r = torch.linalg.qr(a)
     signs = torch.where(torch.diagonal(r, dim1=-2, dim2=-1) < 0, -1.0, 1.0).to(u.dtype)
@@ -156,7 +164,7 @@ def lowdin(u: Tensor) -> Tensor:
     The orthogonal matrix nearest to U in Frobenius norm (F.15, whose square the thesis drops).
     Its gradient has 1 / (s_i^2 - s_j^2) factors (the SVD's), so it needs distinct singular values.
     """
-    check_square(u)
+    u = _rescaled(check_square(u))
     w, _, vh = torch.linalg.svd(u)
     return w @ vh
 

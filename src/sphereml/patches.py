@@ -19,8 +19,15 @@ Note [zero patch]
     A patch with ||x|| < eps (zero padding on a blank background, a dead ReLU region)
     has its norm floored at eps.  Its inner product is 0, so cos = 0, theta = pi/2 and
     every angular g (and every sharpened cosine) gives 0, with finite gradients (d/dx is
-    w_hat / eps; the floor is applied to ||x||^2 before the square root, whose derivative at 0
-    would be infinite).  Above eps a layer with q = 0 is exactly invariant to rescaling the patch.
+    w_hat / eps; the square root sees ||x||^2 floored at the dtype's smallest normal number, where
+    its derivative at 0 would be infinite, and the floor at eps after it passes no gradient).  Above
+    eps a layer with q = 0 is exactly invariant to rescaling the patch.
+
+Note [patch norm without overflow]
+    In float32 and bfloat16 the square of 1e19 is inf and that of 1e-20 is 0.  Each sample is
+    divided by its largest |x| before squaring and the norms are multiplied back after the
+    root, so patch norms are right from the dtype's smallest to its largest number.  The scale
+    is detached: the gradient of the norm is still exactly x / ||x||.
 """
 
 from __future__ import annotations
@@ -97,10 +104,13 @@ def patch_norm2d(x: Tensor, kernel_size, stride=1, padding=0, dilation=1, groups
         Tensor[B, groups, H', W'].
     """
     b, c, h, w = x.shape
-    energy = x.square().reshape(b, groups, c // groups, h, w).sum(2)  # (B, G, H, W)
+    # Note [patch norm without overflow]
+    scale = x.detach().abs().amax(dim=(1, 2, 3), keepdim=True).clamp_min(torch.finfo(x.dtype).tiny)
+    energy = (x / scale).square().reshape(b, groups, c // groups, h, w).sum(2)  # (B, G, H, W)
     ones = energy.new_ones(groups, 1, *pair(kernel_size, "kernel_size", 1))
     squares = F.conv2d(energy, ones, None, stride, padding, dilation, groups)  # (B, G, H', W')
-    return squares.clamp_min(eps * eps).sqrt()
+    tiny = torch.finfo(squares.dtype).tiny  # keeps the root's gradient finite where a patch is zero
+    return (squares.clamp_min(tiny).sqrt() * scale.to(squares.dtype)).clamp_min(eps)
 
 
 def patchwise_reference(x: Tensor, weight: Tensor, fn, stride=1, padding=0, dilation=1, groups: int = 1) -> Tensor:

@@ -8,6 +8,8 @@ import matplotlib.pyplot as plt
 import numpy as np
 import torch
 
+from . import _io
+
 __all__ = ["set_style", "save_and_show", "scatter_features", "image_grid", "CLASS_PALETTE"]
 
 CLASS_PALETTE = "tab10"
@@ -29,8 +31,8 @@ def save_and_show(fig: plt.Figure, path: str | Path, show: bool = True) -> Path:
     path = Path(path)
     if not path.suffix:
         path = path.with_suffix(".png")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
+    with _io.atomic_path(path) as tmp:  # a killed run leaves the old figure or the new one, never half of one
+        fig.savefig(tmp, format=path.suffix[1:])
     if show:
         plt.show()
     plt.close(fig)
