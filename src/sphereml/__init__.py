@@ -11,7 +11,7 @@ One concept per module:
 * :mod:`~sphereml.decoupled` — decoupled operators h(||w||, ||x||) g(theta) and their unfold reference.
 * :mod:`~sphereml.decoupled_training` — weight projection, weighted gradients, pretrained initialisation.
 * :mod:`~sphereml.scs` — sharpened cosine similarity, max-abs pooling and the unfold reference.
-* :mod:`~sphereml.energy` — hyperspherical energy with dense, tiled and Triton backends.
+* :mod:`~sphereml.energy` — hyperspherical energy with dense, tiled and Triton backends, and sharded over ranks.
 * :mod:`~sphereml.convsim` — convolutional similarity of kernels (pure tensor math).
 * :mod:`~sphereml.regularizers` — regularisers bound to a model's layers once: orthonormality,
   orthogonality, convolutional similarity, MHE.
@@ -21,6 +21,7 @@ One concept per module:
 * :mod:`~sphereml.models` — the book's networks, built from operator factories; ``Classifier``.
 * :mod:`~sphereml.data` — Fashion-MNIST, digits, CIFAR-10/100, synthetic sphere data.
 * :mod:`~sphereml.train` — ``fit`` / ``evaluate``: seeding, devices, history, checkpoints, callbacks.
+* :mod:`~sphereml.distributed` — ``torchrun`` support: process group, data-parallel gradient sums.
 * :mod:`~sphereml.metrics` — accuracy, angular hardness and Fisher score, verification.
 * :mod:`~sphereml.attacks` — FGSM and PGD in the L-infinity ball, accuracy under white- and black-box
   attack, adversarial training.
@@ -31,8 +32,8 @@ One concept per module:
 * ``sphereml.book`` — the papermill runner (``python -m sphereml.book``); not imported here.
 """
 
-from . import (angular, attacks, chapter, comhe, convsim, data, decoupled, decoupled_training, energy, geometry,
-               ledger, margins, metrics, models, opt, orthogonalizers, patches, regularizers, schedules, scs,
+from . import (angular, attacks, chapter, comhe, convsim, data, decoupled, decoupled_training, distributed, energy,
+               geometry, ledger, margins, metrics, models, opt, orthogonalizers, patches, regularizers, schedules, scs,
                sphereconv, timing, train, viz)
 from .geometry import angle_matrix, cosine_matrix, normalize, safe_angle, sample_sphere
 from .train import evaluate, fit, resolve_device, seed_everything
@@ -40,9 +41,9 @@ from .train import evaluate, fit, resolve_device, seed_everything
 __version__ = "0.1.0"
 
 __all__ = [
-    "angular", "attacks", "chapter", "comhe", "convsim", "data", "decoupled", "decoupled_training", "energy",
-    "geometry", "ledger", "margins", "metrics", "models", "opt", "orthogonalizers", "patches", "regularizers",
-    "schedules", "scs", "sphereconv", "timing", "train", "viz",
+    "angular", "attacks", "chapter", "comhe", "convsim", "data", "decoupled", "decoupled_training", "distributed",
+    "energy", "geometry", "ledger", "margins", "metrics", "models", "opt", "orthogonalizers", "patches",
+    "regularizers", "schedules", "scs", "sphereconv", "timing", "train", "viz",
     "normalize", "cosine_matrix", "safe_angle", "angle_matrix", "sample_sphere",
     "fit", "evaluate", "resolve_device", "seed_everything", "__version__",
 ]

@@ -23,9 +23,10 @@ import textwrap
 from numbers import Number
 from pathlib import Path
 
+import matplotlib.pyplot as plt
 import torch
 
-from . import _io, data, viz
+from . import _io, data, distributed, viz
 from ._checks import integer
 from .train import collect_outputs, evaluate, fit, resolve_device, seed_everything
 
@@ -92,6 +93,7 @@ class Chapter:
     def __init__(self, name: str, profile: str = "auto", device: str = "auto", seed: int = 0,
                  output_dir: str = "", params: dict | None = None):
         self.name = name
+        distributed.init_from_env()  # under torchrun: one process per GPU, fit shares each batch
         self.profile = resolve_profile(profile)
         self.device = resolve_device(device)
         self.seed = integer("seed", seed, at_least=0)
@@ -152,7 +154,10 @@ class Chapter:
 
     # ---------------------------------------------------------------- outputs
     def savefig(self, fig, name: str, show: bool = True) -> None:
-        """Save ``fig`` as ``<output_dir>/<name>.png``, list it in the metrics, and show it."""
+        """Save ``fig`` as ``<output_dir>/<name>.png``, list it in the metrics, and show it (rank 0 only)."""
+        if not distributed.is_main_process():
+            plt.close(fig)
+            return
         path = viz.save_and_show(fig, self.output_dir / f"{name}.png", show=show)
         self.figures.append(path.name)
         self.metrics["figures"] = sorted(set(self.figures))
@@ -192,4 +197,6 @@ class Chapter:
         return record
 
     def write(self) -> Path:
-        return _io.write_json(self.metrics, self.output_dir / "metrics.json")
+        """Rewrite ``metrics.json`` (rank 0 only: every rank holds the same results)."""
+        path = self.output_dir / "metrics.json"
+        return _io.write_json(self.metrics, path) if distributed.is_main_process() else path

@@ -12,9 +12,14 @@ Design (nanoGPT's ``train.py`` in spirit, short and explicit):
 * **One loss path.** The default loss is the model's own ``loss_and_logits(x, y)`` when it has
   one (a :class:`~sphereml.models.Classifier`: cross-entropy, or its margin head's loss), else
   cross-entropy of ``model(x)``; ``evaluate`` reports the same loss.
+* **Data parallel.** Under ``torchrun`` (a ``torch.distributed`` process group initialised, gloo on CPU,
+  NCCL on GPU) the same call trains on every rank: see Note [data parallel fit].
+* **Data parallel.** Under ``torchrun`` (a ``torch.distributed`` process group, gloo on CPU, NCCL on
+  GPU) the same call trains on every rank, Note [data parallel fit] in :mod:`sphereml.distributed`.
 * **Hookable.** ``regularizer()`` (a :class:`~sphereml.regularizers.Regularizer` bound to the
   model) is added to every step's loss, and ``callbacks`` run after every optimiser step
   (:class:`Tracker` records a value every few steps).
+
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
-from . import _io
+from . import _io, distributed
 from ._checks import integer, real_number
 
 __all__ = [
@@ -54,13 +59,14 @@ def seed_everything(seed: int) -> None:
 
 
 def resolve_device(device: str | torch.device = "auto") -> torch.device:
-    """``"auto"`` -> CUDA when available, else CPU; ``"cuda"`` without CUDA raises RuntimeError."""
+    """``"auto"`` -> CUDA when available (``cuda:LOCAL_RANK`` under torchrun), else CPU; ``"cuda"`` without
+    CUDA raises RuntimeError."""
     if isinstance(device, torch.device):
         device = str(device)
     if not isinstance(device, str) or device.split(":")[0] not in DEVICES:
         raise ValueError(f"device must be one of {DEVICES} (or 'cuda:N'), got {device!r}")
     if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return distributed.local_device()  # under torchrun: this process's GPU
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise RuntimeError(
             f"device={device!r} was requested but CUDA is not available "
@@ -182,6 +188,17 @@ def _to_device(batch, device):
     return tuple(t.to(device, non_blocking=True) for t in batch)
 
 
+def _world(model: nn.Module) -> tuple[int, int] | None:
+    """(rank, world size) when ``fit`` must share the work (Note [data parallel fit]), else None."""
+    if not distributed.is_distributed() or isinstance(model, nn.parallel.DistributedDataParallel):
+        return None  # alone, or the caller's DDP averages the gradients
+    return distributed.rank(), distributed.world_size()
+
+
+def _rank_zero(world) -> bool:
+    return world is None or world[0] == 0
+
+
 def fit(
     model: nn.Module,
     train_data: Dataset,
@@ -233,7 +250,11 @@ def fit(
     callbacks = list(callbacks)
     model.to(dev)
     torch.manual_seed(seed)
-    opt = _make_optimizer(optimizer, [p for p in model.parameters() if p.requires_grad], lr, weight_decay, momentum)
+    world = _world(model)
+    if world is not None:
+        distributed.broadcast_from_rank0(model, parameters=True)  # every rank starts from rank 0's weights
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    opt = _make_optimizer(optimizer, trainable, lr, weight_decay, momentum)
     sched = scheduler(opt) if scheduler is not None else None
     history = History()
     start_epoch = 0
@@ -270,13 +291,26 @@ def fit(
         correct = torch.zeros((), dtype=torch.long, device=dev)
         logits = None
         for batch in batches(train_data, batch_size, True, order):
+            total = len(batch[0])
+            if world is not None:  # Note [data parallel fit]: this rank's share of the global batch
+                batch = tuple(t[world[0]::world[1]] for t in batch)
             x, y = _to_device(batch, dev)
-            loss, logits = loss_fn(model, x, y)
             reg = regularizer() if regularizer is not None else None
-            objective = loss if reg is None else loss + reg
+            if len(y):
+                loss, logits = loss_fn(model, x, y)
+            else:  # more ranks than samples left in the last batch
+                loss, logits = x.new_zeros(()), None
+            if world is None:
+                objective = loss if reg is None else loss + reg
+            else:
+                objective = loss * (len(y) / total) + (0.0 if reg is None else reg / world[1])
             opt.zero_grad(set_to_none=True)
             objective.backward()
+            if world is not None:
+                distributed.sum_gradients(trainable)
             opt.step()
+            if world is not None:
+                distributed.broadcast_from_rank0(model)
             step += 1
             losses.append(loss.detach().double())
             if reg is not None:
@@ -288,6 +322,8 @@ def fit(
                 cb(StepState(step=step, epoch=epoch, loss_tensor=losses[-1], model=model, optimizer=opt))
         if sched is not None:
             sched.step()
+        if world is not None:  # the whole batches' losses and counts, summed over the ranks
+            losses, sizes, correct = distributed.merge_batch_records(losses, sizes, correct)
         loss_values = torch.stack(losses).tolist() if losses else []
         reg_values = torch.stack(regs).tolist() if regs else []
         history.steps.extend(loss_values)
@@ -303,7 +339,7 @@ def fit(
         record["seconds"] = time.perf_counter() - t0
         history.epochs.append(record)
         bar.set_postfix(loss=f"{record['train_loss']:.3f}")
-        if ckpt_path is not None:
+        if ckpt_path is not None and _rank_zero(world):
             _io.save_torch({
                 "model": model.state_dict(), "optimizer": opt.state_dict(),
                 "scheduler": sched.state_dict() if sched is not None else None,
@@ -311,6 +347,8 @@ def fit(
                 "cuda_rng": torch.cuda.get_rng_state(dev) if dev.type == "cuda" else None,
                 "fingerprint": fingerprint,
             }, ckpt_path)
+        if ckpt_path is not None and world is not None:
+            distributed.barrier()  # the checkpoint is complete before any rank could resume from it
     bar.close()
     return history
 

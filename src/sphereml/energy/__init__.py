@@ -39,10 +39,12 @@ from .._checks import integer, labels as _check_labels, one_of, real_number
 from ..geometry import normalize
 from .dense import dense_energy
 from .kernels import METRICS, pair_values, squared_distances
+from .sharded import sharded_energy
 from .tiled import tiled_energy
 from .triton_backend import TRITON_DTYPES, matmul_precision, triton_energy, triton_importable, usable_on
 
-__all__ = ["hyperspherical_energy", "minibatch_energy", "energy_metric", "output_energy", "BACKENDS", "METRICS"]
+__all__ = ["hyperspherical_energy", "minibatch_energy", "sharded_energy", "energy_metric", "output_energy", "BACKENDS",
+           "METRICS"]
 
 BACKENDS = ("auto", "dense", "tiled", "triton")
 # Above this many points (2N for half_space) ``auto`` leaves dense for tiled on the CPU.  Set from

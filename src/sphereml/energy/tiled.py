@@ -22,7 +22,8 @@ from torch import Tensor
 from .kernels import CLOSE_R2, pair_values
 
 
-def _block_size(m: int, budget: int = 2**22) -> int:
+def block_size(m: int, budget: int = 2**22) -> int:
+    """Rows per block so that one block of pair values holds about ``budget`` numbers."""
     return max(1, min(m, budget // max(m, 1)))
 
 
@@ -90,18 +91,35 @@ def _block(points: Tensor, sq: Tensor, start: int, stop: int, s, metric, eps, wi
     return values, deriv, (close_rows, close_cols)
 
 
+def block_sum(points: Tensor, sq: Tensor, start: int, stop: int, s: float, metric: str, eps: float) -> Tensor:
+    """sum over j != i of f(q_i, q_j) for the rows i in start:stop, in float64 (``sq``: the squared norms)."""
+    values, _, _ = _block(points, sq, start, stop, s, metric, eps, False)
+    return values.sum(dtype=torch.float64)
+
+
+def block_gradient(points: Tensor, sq: Tensor, start: int, stop: int, s: float, metric: str, eps: float) -> Tensor:
+    """sum over j of D_ij (q_j - q_i) (euclidean) or D_ij q_j (angular) for the rows start:stop: the
+    gradient of those rows up to the factor 2 c (module docstring), Tensor[stop - start, d]."""
+    _, deriv, (rows, cols) = _block(points, sq, start, stop, s, metric, eps, True)
+    d_close = deriv[rows, cols]  # Note [close pairs]: explicit differences, not the matmul
+    deriv[rows, cols] = 0
+    g = deriv @ points  # (b, d)
+    if metric == "euclidean":
+        g -= deriv.sum(1, keepdim=True) * points[start:stop]
+    return g.index_add_(0, rows, d_close[:, None] * (points[cols] - points[start + rows]))
+
+
 class TiledEnergy(torch.autograd.Function):
     """``TiledEnergy.apply(points, s, metric, eps, block)``: the pair-mean energy of ``points`` (Tensor[M, d])."""
 
     @staticmethod
     def forward(ctx, points: Tensor, s: float, metric: str, eps: float, block: int | None) -> Tensor:
         m = len(points)
-        block = block or _block_size(m)
+        block = block or block_size(m)
         sq = (points * points).sum(1)
         total = torch.zeros((), dtype=torch.float64, device=points.device)
         for start in range(0, m, block):
-            values, _, _ = _block(points, sq, start, min(start + block, m), s, metric, eps, False)
-            total += values.sum(dtype=torch.float64)
+            total += block_sum(points, sq, start, min(start + block, m), s, metric, eps)
         ctx.save_for_backward(points)
         ctx.params = (s, metric, eps, block)
         return (total / (m * (m - 1))).to(points.dtype)
@@ -118,14 +136,7 @@ class TiledEnergy(torch.autograd.Function):
         grad = torch.empty_like(points)
         for start in range(0, m, block):
             stop = min(start + block, m)
-            _, deriv, (rows, cols) = _block(points, sq, start, stop, s, metric, eps, True)
-            d_close = deriv[rows, cols]  # Note [close pairs]: explicit differences, not the matmul
-            deriv[rows, cols] = 0
-            g = deriv @ points  # (b, d)
-            if metric == "euclidean":
-                g -= deriv.sum(1, keepdim=True) * points[start:stop]
-            g.index_add_(0, rows, d_close[:, None] * (points[cols] - points[start + rows]))
-            grad[start:stop] = g * scale
+            grad[start:stop] = block_gradient(points, sq, start, stop, s, metric, eps) * scale
         return grad, None, None, None, None
 
 

@@ -1,0 +1,112 @@
+"""Running on several processes: ``torchrun`` support for the chapters and :func:`~sphereml.train.fit`.
+
+``torchrun --nproc_per_node=G script.py`` starts G copies of a script with ``RANK``, ``LOCAL_RANK`` and
+``WORLD_SIZE`` set.  :func:`init_from_env` turns that into a process group (NCCL when CUDA is there, gloo
+otherwise) and gives each process its own GPU; :class:`~sphereml.chapter.Chapter` calls it, so a chapter
+exported as a script runs unchanged under ``torchrun``: ``fit`` then splits every batch over the processes
+(Note [data parallel fit]) and only rank 0 writes metrics and figures.
+
+Note [data parallel fit]
+    Every rank draws the same data order and takes its share (``rank::world``) of each global batch of
+    ``batch_size`` samples.  It back-propagates its share of the batch's mean loss (its mean loss times
+    its fraction of the batch) plus 1 / world of the regulariser, and the gradients are summed over the
+    ranks: each step uses exactly the gradient that one process computes on the whole batch (up to the
+    order of the sums), so the regularisers, the OPT parametrisations and the optimiser states need
+    nothing special.  It is the all-reduce ``DistributedDataParallel`` performs, done once per step after
+    the backward pass, so any ``loss_fn`` (margin heads included) works unchanged; a model the caller has
+    already wrapped in ``DistributedDataParallel`` is left to it.  Buffers (BatchNorm's running
+    statistics, the decoupled layers' E{||x||}) are broadcast from rank 0 after every step; batch
+    statistics are per rank, so a network with BatchNorm matches one process only with
+    ``nn.SyncBatchNorm``.  The history holds the whole batch's losses and accuracy; rank 0 writes the
+    checkpoint and every rank resumes from it (across machines it must be on a shared file system).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+__all__ = ["init_from_env", "is_distributed", "rank", "world_size", "is_main_process", "local_device", "barrier",
+           "sum_gradients", "broadcast_from_rank0", "merge_batch_records"]
+
+
+def is_distributed() -> bool:
+    """True inside an initialised process group of more than one process."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def rank() -> int:
+    return dist.get_rank() if is_distributed() else 0
+
+
+def world_size() -> int:
+    return dist.get_world_size() if is_distributed() else 1
+
+
+def is_main_process() -> bool:
+    """Rank 0, or the only process: the one that writes files."""
+    return rank() == 0
+
+
+def local_device() -> torch.device:
+    """This process's GPU under ``torchrun`` (``cuda:LOCAL_RANK``), else the default CUDA device or the CPU."""
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    if "LOCAL_RANK" in os.environ:
+        return torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+    return torch.device("cuda")
+
+
+def init_from_env(backend: str | None = None) -> bool:
+    """Initialise the default process group from ``torchrun``'s environment, once; True if distributed.
+
+    Does nothing (and returns False) when ``WORLD_SIZE`` is absent or 1, so the same code runs alone.
+
+    Args:
+        backend (str, optional): ``"nccl"`` or ``"gloo"``; default NCCL when CUDA is available.
+    """
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return False
+    if not dist.is_initialized():
+        if torch.cuda.is_available():
+            torch.cuda.set_device(local_device())
+        dist.init_process_group(backend or ("nccl" if torch.cuda.is_available() else "gloo"))
+    return is_distributed()
+
+
+def barrier() -> None:
+    """Wait for every rank (nothing to wait for when alone)."""
+    if is_distributed():
+        dist.barrier()
+
+
+def sum_gradients(params: list[Tensor]) -> None:
+    """Sum every gradient over the ranks (a missing one counts as zero): one flat all-reduce."""
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat)
+    for p, chunk in zip(params, flat.split([g.numel() for g in grads])):
+        p.grad = chunk.view_as(p).clone()
+
+
+def broadcast_from_rank0(model: nn.Module, parameters: bool = False) -> None:
+    """Rank 0's buffers (and, with ``parameters``, its weights) on every rank."""
+    with torch.no_grad():
+        for tensor in list(model.buffers()) + (list(model.parameters()) if parameters else []):
+            dist.broadcast(tensor, 0)
+
+
+def merge_batch_records(losses: list[Tensor], sizes: list[int],
+                        correct: Tensor) -> tuple[list[Tensor], list[int], Tensor]:
+    """The ranks' per-step mean losses, batch sizes and correct counts merged into the whole batches':
+    one all-reduce per epoch."""
+    n = torch.tensor(sizes, dtype=torch.float64, device=correct.device)
+    weighted = torch.stack(losses).to(n.device) * n if losses else n
+    packed = torch.cat([weighted, n, correct.double().view(1)])
+    dist.all_reduce(packed)
+    k = len(sizes)
+    totals = packed[k:2 * k]
+    return list((packed[:k] / totals.clamp_min(1)).unbind()), [int(t) for t in totals.tolist()], packed[-1].long()
