@@ -17,7 +17,7 @@ from sphereml import models
 from sphereml.comhe import CoMHE
 from sphereml.regularizers import MHE
 
-from .harness import compare, training_step
+from .harness import SMOKE, compare, training_step
 
 REGULARIZERS = {
     "HS-MHE": lambda net: MHE(net, half_space=True),
@@ -30,6 +30,8 @@ REGULARIZERS = {
 
 def run(device: torch.device, batch: int = 128, widths: tuple[int, int, int] = (64, 128, 256), repeats: int = 3,
         names: tuple[str, ...] = tuple(REGULARIZERS)) -> dict:
+    if SMOKE:
+        batch, widths, names = 2, (4, 8, 8), names[:2]
     g = torch.Generator().manual_seed(0)
     x = torch.randn(batch, 3, 32, 32, generator=g).to(device)
     y = torch.randint(0, 100, (batch,), generator=g).to(device)

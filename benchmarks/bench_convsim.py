@@ -15,7 +15,7 @@ import torch
 from sphereml.convsim import conv_similarity
 from sphereml.timing import median_seconds
 
-from .harness import save
+from .harness import save, smoke_or
 
 SUBSET = 24
 
@@ -35,10 +35,10 @@ def run(device: torch.device) -> dict:
     g = torch.Generator().manual_seed(0)
     result = {"benchmark": "convsim_fft_vs_direct",
               "direct_subset_kernels": SUBSET, "layers": {}}
-    for channels in (256, 512):
+    for channels in smoke_or((256, 512), (SUBSET + 2,)):
         weight = torch.randn(channels, channels, 3, 3, generator=g).to(device).requires_grad_(True)
         subset = weight.detach()[:SUBSET].clone().requires_grad_(True)
-        fft_s = median_seconds(lambda w=weight: _fwd_bwd(w, "fft"), device, repeats=5)
+        fft_s = median_seconds(lambda w=weight: _fwd_bwd(w, "fft"), device, repeats=smoke_or(5, 1))
         direct_subset_s = median_seconds(lambda w=subset: _fwd_bwd(w, "direct"), device, repeats=1, warmup=0)
         pairs_ratio = channels * (channels - 1) / (SUBSET * (SUBSET - 1))
         direct_s = direct_subset_s * pairs_ratio
@@ -52,14 +52,15 @@ def run(device: torch.device) -> dict:
         print(f"convsim {channels}x{channels}x3x3: fft {fft_s * 1e3:8.1f} ms; direct {direct_subset_s:6.2f} s on "
               f"{SUBSET} kernels -> {direct_s:9.0f} s for the layer (extrapolated); "
               f"fft x{direct_s / fft_s:,.0f} faster")
-    weights = [torch.randn(o, i, k, k, generator=g).to(device).requires_grad_(True) for o, i, k in RESNET18]
+    layers = smoke_or(RESNET18, RESNET18[:2])
+    weights = [torch.randn(o, i, k, k, generator=g).to(device).requires_grad_(True) for o, i, k in layers]
 
     def resnet_step():
         for w in weights:
             w.grad = None
         sum(conv_similarity(w, method="fft") for w in weights).backward()
 
-    resnet_s = median_seconds(resnet_step, device, repeats=5)
+    resnet_s = median_seconds(resnet_step, device, repeats=smoke_or(5, 1))
     result["resnet18_all_conv_layers_fwd_bwd_seconds"] = resnet_s
     result["paper_resnet18_seconds_per_step"] = 90.0
     print(f"convsim ResNet-18, all {len(weights)} conv layers, forward+backward: {resnet_s * 1e3:.1f} ms "

@@ -10,7 +10,9 @@ N = 2^20).
   "within 1.5x" goal); N = 65,536 under an address-space limit of 24 GiB (the book's build
   machine), where dense fails to allocate its N x N matrices and tiled completes; the dense /
   tiled crossover at d = 256 (it sets ``sphereml.energy.TILED_ABOVE``); the Gram error of
-  float32, TF32x3 and TF32 products emulated on the CPU (Note [close pairs]).
+  float32, TF32x3 and TF32 products emulated on the CPU (Note [close pairs]); the scaling study,
+  time and peak memory of dense and tiled against N = 2^10 ... 2^16 at d = 256 under the same
+  24 GiB limit (CUDA: dense, tiled and triton up to 2^20).
 * CUDA (one run, a few minutes): N = 32,768, d = 512: dense; triton under each
   ``torch.set_float32_matmul_precision`` ("highest" -> ieee, "high" -> tf32, "medium" ->
   tf32) with three Gram products at the same precision, forward-only times, peak memory, the
@@ -102,9 +104,23 @@ def _energy_step(w: torch.Tensor, backend: str):
 
     def step():
         w.grad = None
-        hyperspherical_energy(w, s=2.0, backend=backend).backward()
+        (_keops_energy(w) if backend == "keops" else hyperspherical_energy(w, s=2.0, backend=backend)).backward()
 
     return step
+
+
+def _keops_energy(w: torch.Tensor) -> torch.Tensor:
+    """The pair-mean Riesz s = 2 energy summed by KeOps (``pykeops``) symbolically, without the N x N matrix:
+    the tool a reader would otherwise use.  The diagonal (r^2 = 0) is masked with KeOps' step function."""
+    from pykeops.torch import LazyTensor
+
+    from sphereml.geometry import normalize
+
+    q = normalize(w)
+    r2 = ((LazyTensor(q[:, None, :]) - LazyTensor(q[None, :, :])) ** 2).sum(-1)
+    off_diagonal = (r2 - 1e-7).step()
+    per_row = (off_diagonal / (r2 + 1 - off_diagonal)).sum(dim=1)
+    return per_row.sum() / (len(q) * (len(q) - 1))
 
 
 def _energy_forward(w: torch.Tensor, backend: str):
@@ -347,6 +363,47 @@ def _cpu_plan(smoke: bool) -> list:
             dict(kind="fwd_bwd", n=big, d=d, backend="dense", repeats=1, limit=limit, timeout=600)]
 
 
+def _keops_importable() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("pykeops") is not None
+
+
+SCALING_D = 256
+SCALING_SIZES = [2**k for k in range(10, 17)]  # 1,024 ... 65,536 on the CPU
+SCALING_SIZES_CUDA = [2**k for k in range(10, 21)]  # ... 2^20 on a GPU
+
+
+def run_scaling(run: _Runner, backends: tuple[str, ...], sizes: list[int], limit: int, smoke: bool) -> dict:
+    """Time and peak memory of fwd + bwd against N for each backend, one subprocess per point, under an
+    address-space limit of ``limit`` bytes (0: none).  A backend stops at its first failure, or when its
+    time extrapolated to the next N (x 4, the O(N^2) work) would exceed 600 s."""
+    d = 8 if smoke else SCALING_D
+    sizes = sizes[:2] if smoke else sizes
+    out = {"d": d, "address_space_limit_gib": limit / GIB or None, "backends": {}}
+    for backend in backends:
+        points = []
+        for n in sizes:
+            n = n if not smoke else n // 16
+            predicted = points[-1]["peak_bytes"] * (n / points[-1]["n"]) ** 2 if points else 0
+            if backend == "dense" and limit and predicted > limit:
+                # The machine's RAM is the limit too: a dense case allowed to grow towards it would push the
+                # machine into the OOM killer rather than fail cleanly, so its O(N^2) memory is predicted.
+                points.append({"n": n, "ok": False, "seconds": None, "peak_bytes": None,
+                               "error": f"not run: O(N^2) memory predicts {predicted / GIB:.0f} GiB, over the limit"})
+                print(f"energy N={n:>7} d={d} dense  : {points[-1]['error']}")
+                break
+            r = run(dict(kind="fwd_bwd", n=n, d=d, backend=backend, repeats=3 if n <= 4096 else 1, limit=limit),
+                    timeout=900)
+            points.append({k: r.get(k) for k in ("n", "seconds", "peak_bytes", "ok", "error")})
+            _show(r)
+            if not r.get("ok") or r["seconds"] * 4 > 600:
+                break
+        done = [p["n"] for p in points if p["ok"]]
+        out["backends"][backend] = {"points": points, "largest_completed": max(done) if done else None}
+    return out
+
+
 def _crossover_spec(plan: str, smoke: bool) -> dict:
     if plan == "cuda":
         sizes = [32, 64] if smoke else [256, 512, 1024, 2048, 4096, 8192]
@@ -390,6 +447,8 @@ def _run_cuda_plan(run: _Runner, result: dict, smoke: bool) -> None:
     precision = next((p for p in PRECISIONS if p in measured
                       and measured[p]["seconds"] * (huge_n / n) ** 2 <= HUGE_TARGET_S), "medium")
     estimate = measured.get(precision, {}).get("seconds", 0.1) * (huge_n / n) ** 2
+    backends = ("dense", "tiled", "triton") + (("keops",) if _keops_importable() else ())
+    result["scaling"] = run_scaling(run, backends, SCALING_SIZES_CUDA, 0, smoke)
     huge = run(dict(kind="huge", n=huge_n, d=d, precision=precision, backend="triton"),
                timeout=max(60.0, min(300.0, 2.5 * estimate + 30)))
     result["runs"].append(huge)
@@ -421,6 +480,11 @@ def _run_cpu_plan(run: _Runner, result: dict, smoke: bool, only: set | None) -> 
         crossover = run({k: v for k, v in spec.items() if k != "timeout"}, timeout=spec["timeout"])
         result["crossover"] = {k: v for k, v in crossover.items() if " vs " in k} or crossover
         _show_crossover(result["crossover"]) if crossover.get("ok") else print(f"energy crossover failed: {crossover}")
+    if only is None or "scaling" in only:
+        backends = ("dense", "tiled") + (("keops",) if _keops_importable() else ())
+        result["scaling"] = run_scaling(run, backends, SCALING_SIZES, 0 if smoke else 24 * GIB, smoke)
+        if "keops" not in backends:
+            print("energy scaling: pykeops is not installed, so there is no KeOps column (pip install pykeops)")
     if only is None or "emulated" in only:
         result["gram_error_emulated"] = emulated_gram_errors(64 if smoke else 512)
         for name, e in result["gram_error_emulated"].items():
@@ -514,7 +578,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, nothing saved")
     parser.add_argument("--plan", choices=("cpu", "cuda"), help="the plan to run (default: the device's)")
     parser.add_argument("--inline", action="store_true", help="run the cases in this process (smoke runs)")
-    parser.add_argument("--only", help="comma-separated parts of the CPU plan: main, crossover, emulated")
+    parser.add_argument("--only", help="comma-separated parts of the CPU plan: main, crossover, scaling, emulated")
     parser.add_argument("--compile-check", type=int, metavar="ARCH", nargs="?", const=90,
                         help="compile every kernel configuration for sm_ARCH (default 90) on the CPU and report "
                              "registers and spills (no GPU needed)")

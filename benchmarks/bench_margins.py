@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from sphereml.margins import ArcFaceLoss, ASoftmaxLoss, CosFaceLoss, LambdaSchedule, LSoftmaxLoss
 
-from .harness import compare, save
+from .harness import compare, save, smoke_or
 
 SIZES = [(256, 512, 10_000), (512, 512, 100_000)]  # (batch, in_features, classes); the second on CUDA only
 
@@ -61,7 +61,7 @@ def _profile(head, x, y) -> list[dict]:
 
 def run(device: torch.device) -> dict:
     results = {}
-    sizes = SIZES if device.type == "cuda" else SIZES[:1]
+    sizes = smoke_or(SIZES if device.type == "cuda" else SIZES[:1], [(8, 16, 32)])
     compile_heads = device.type == "cuda" and os.environ.get("SPHEREML_BENCH_COMPILE", "1") != "0"
     for b, d, c in sizes:
         x, y = _inputs(b, d, c, device)

@@ -14,7 +14,7 @@ import torch
 
 from sphereml import models, opt
 
-from .harness import compare, training_step
+from .harness import SMOKE, compare, training_step
 
 METHODS = ("gs", "householder", "lowdin", "cayley", "matrix_exp", "ogd", "or", "gs (unrolled)")
 
@@ -39,6 +39,8 @@ def _step(net: torch.nn.Module, x: torch.Tensor, y: torch.Tensor):
 
 def run(device: torch.device, batch: int = 128, width: int = 64, repeats: int = 5,
         methods: tuple[str, ...] = METHODS) -> dict:
+    if SMOKE:
+        batch, width, methods = 2, 8, methods[:3]
     g = torch.Generator().manual_seed(0)
     x = torch.randn(batch, 3, 32, 32, generator=g).to(device)
     y = torch.randint(0, 100, (batch,), generator=g).to(device)

@@ -8,14 +8,15 @@ import torch.nn.functional as F
 
 from sphereml.models import Classifier, ConvNet
 
-from .harness import compare
+from .harness import compare, smoke_or
 
 
 def run(device: torch.device) -> dict:
-    x = torch.rand(128, 1, 28, 28, device=device)
-    y = torch.randint(0, 10, (128,), device=device)
+    batch = smoke_or(128, 4)
+    x = torch.rand(batch, 1, 28, 28, device=device)
+    y = torch.randint(0, 10, (batch,), device=device)
     results = {}
-    for widths in [(16, 32), (32, 64)]:
+    for widths in smoke_or([(16, 32), (32, 64)], [(2, 4)]):
         model = Classifier(ConvNet(1, 64, widths=widths, act_layer="prelu"), 10).to(device)
         linear = torch.nn.Linear(28 * 28, 10).to(device)
         opt = torch.optim.Adam(list(model.parameters()) + list(linear.parameters()), 1e-3)
@@ -29,6 +30,6 @@ def run(device: torch.device) -> dict:
             f"train_step_convnet_{widths[0]}x{widths[1]}",
             {"ConvNet step": lambda m=model: step(m),
              "linear softmax step": lambda lin=linear: step(lambda z: lin(z.flatten(1)))},
-            baseline="linear softmax step", device=device, extra={"batch": 128, "widths": list(widths)},
+            baseline="linear softmax step", device=device, extra={"batch": batch, "widths": list(widths)},
         )
     return results

@@ -3,17 +3,27 @@
 from __future__ import annotations
 
 import contextlib
+import os
 from pathlib import Path
 from typing import Callable
 
 import torch
 
 from sphereml.timing import compare as compare_round_robin
-from sphereml.timing import device_name, environment, save_result, training_step
+from sphereml.timing import device_name, environment, peak_memory, save_result, training_step
 
-__all__ = ["RESULTS", "compare", "device_name", "environment", "save", "forward_backward", "training_step"]
+__all__ = ["RESULTS", "SMOKE", "smoke_or", "compare", "device_name", "environment", "save", "forward_backward", "training_step"]
 
-RESULTS = Path(__file__).resolve().parent / "results"
+# SPHEREML_BENCH_RESULTS sends the JSON elsewhere (the smoke test writes to a temporary folder).
+RESULTS = Path(os.environ.get("SPHEREML_BENCH_RESULTS") or Path(__file__).resolve().parent / "results")
+# SPHEREML_BENCH_SMOKE=1: every benchmark at tiny sizes with one repeat, so the test suite runs the whole
+# harness (`tests/test_benchmarks.py`); the numbers mean nothing and are never pass/fail.
+SMOKE = os.environ.get("SPHEREML_BENCH_SMOKE", "0") == "1"
+
+
+def smoke_or(full, tiny):
+    """``tiny`` in a smoke run, ``full`` otherwise."""
+    return tiny if SMOKE else full
 
 
 def save(result: dict, name: str, device: torch.device) -> Path:
@@ -23,11 +33,15 @@ def save(result: dict, name: str, device: torch.device) -> Path:
 
 def compare(name: str, candidates: dict[str, Callable[[], object]], baseline: str, device: torch.device,
             repeats: int = 10, extra: dict | None = None) -> dict:
-    """Time every candidate in one interleaved run, print each one's ratio to ``baseline``, and save JSON."""
-    timing = compare_round_robin(candidates, baseline, device, repeats=repeats)
-    result = {"benchmark": name, "seconds": timing.seconds, "ratio_to_" + baseline: timing.ratios, **(extra or {})}
-    for line in timing.table().splitlines():
-        print(f"{name:30s} {line}")
+    """Time every candidate in one interleaved run, print each one's ratio to ``baseline`` and its peak memory
+    (:func:`sphereml.timing.peak_memory`, one more warm call each), and save JSON."""
+    timing = compare_round_robin(candidates, baseline, device, repeats=smoke_or(repeats, 1))
+    memory = {label: peak_memory(fn, device) for label, fn in candidates.items()}  # one more call each, warm
+    result = {"benchmark": name, "seconds": timing.seconds, "ratio_to_" + baseline: timing.ratios,
+              "peak_bytes": memory, **(extra or {})}
+    for line, label in zip(timing.table().splitlines(), timing.seconds):
+        shown = "peak memory n/a" if memory[label] is None else f"peak memory {memory[label] / 2**20:8.1f} MiB"
+        print(f"{name:30s} {line}   {shown}")
     save(result, name, device)
     return result
 

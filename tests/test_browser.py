@@ -79,6 +79,8 @@ def driver():
     options = Options()
     for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
                 "--disable-component-update", "--disable-sync", "--window-size=1280,900",
+                # the network off even on a machine that has one: every host name fails to resolve
+                "--host-resolver-rules=MAP * ~NOTFOUND",
                 f"--user-data-dir={REPO / '_build' / 'chromium-profile'}"):
         options.add_argument(arg)
     options.binary_location = str(CHROMIUM)

@@ -133,9 +133,12 @@ def _flatten(obj, path=""):
 def metrics_differences(a: dict, b: dict) -> list[str]:
     """Paths where two metrics.json differ, timings excluded (NaN equals NaN)."""
     fa, fb = dict(_flatten(a)), dict(_flatten(b))
-    same = lambda x, y: x == y or (isinstance(x, float) and isinstance(y, float) and math.isnan(x) and math.isnan(y))  # noqa: E731
     return sorted(f"{k}: {fa.get(k)!r} != {fb.get(k)!r}" for k in fa.keys() | fb.keys()
-                  if not TIMING.search(k) and not same(fa.get(k), fb.get(k)))
+                  if not TIMING.search(k) and not _same(fa.get(k), fb.get(k)))
+
+
+def _same(x, y) -> bool:
+    return x == y or (isinstance(x, float) and isinstance(y, float) and math.isnan(x) and math.isnan(y))
 
 
 def test_metrics_comparison_sees_changes_but_not_timings():

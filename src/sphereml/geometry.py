@@ -34,7 +34,7 @@ def _check_eps(eps: float) -> None:
 
 
 def safe_norm(x: Tensor, dim: int = -1, keepdim: bool = False) -> Tensor:
-    """||x|| along ``dim`` with no overflow or underflow of the squares: s ||x / s|| with s = max |x_i|.
+    """||x|| along ``dim`` with no overflow or underflow of the squares: s ||x / s|| with s = max_i abs(x_i).
 
     ``torch.linalg.vector_norm`` squares the entries, so in float32 (and bfloat16) a vector longer than
     about 1.8e19 has norm inf and one shorter than about 1e-19 has norm 0.  The scale s is detached, so the

@@ -52,7 +52,7 @@ def check_square(u: Tensor, name: str = "u") -> Tensor:
 
 
 def _rescaled(u: Tensor) -> Tensor:
-    """``u`` divided by its largest |entry| (per matrix, detached).  The orthogonalisers below return the same Q
+    """``u`` divided by its largest absolute entry (per matrix, detached).  The orthogonalisers below return the same Q
     for U and cU (c > 0), and on the rescaled matrix their squared norms neither overflow nor underflow in
     float32; the gradient is unchanged, Q being scale-invariant."""
     scale = u.detach().abs().amax(dim=(-2, -1), keepdim=True).clamp_min(torch.finfo(u.dtype).tiny)

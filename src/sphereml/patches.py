@@ -25,7 +25,7 @@ Note [zero patch]
 
 Note [patch norm without overflow]
     In float32 and bfloat16 the square of 1e19 is inf and that of 1e-20 is 0.  Each sample is
-    divided by its largest |x| before squaring and the norms are multiplied back after the
+    divided by its largest absolute value before squaring and the norms are multiplied back after the
     root, so patch norms are right from the dtype's smallest to its largest number.  The scale
     is detached: the gradient of the norm is still exactly x / ||x||.
 """

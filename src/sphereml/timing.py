@@ -4,6 +4,15 @@ Shared machines are noisy, so a speed is only reported as a ratio to a baseline 
 same process, interleaved with it: :func:`compare` runs one call of every candidate per round
 (round-robin) and keeps each one's median, so a slow spell hits all candidates alike.  CUDA
 work is synchronised before every clock reading.  Timings are reported, never asserted.
+
+Note [peak memory of one call]
+    On CUDA, :func:`peak_memory` is PyTorch's own count: ``max_memory_allocated`` after a reset, less
+    what was allocated before.  On the CPU PyTorch keeps no such count, and a candidate is a closure
+    that cannot be sent to a fresh process, so the call runs here between two readings of the
+    process's resident memory: freed heap pages are returned first (``malloc_trim``), the kernel's
+    high-water mark is reset (``/proc/self/clear_refs``, Linux), and the peak is the new high-water
+    mark less the resident size before the call.  That counts every allocation (BLAS workspaces
+    included) at page granularity; where the kernel does not allow the reset the result is None.
 """
 
 from __future__ import annotations
@@ -22,7 +31,8 @@ import torch
 from . import _io
 from ._checks import integer
 
-__all__ = ["device_name", "environment", "median_seconds", "Comparison", "compare", "training_step", "save_result"]
+__all__ = ["device_name", "environment", "median_seconds", "Comparison", "compare", "peak_memory", "training_step",
+           "save_result"]
 
 
 def device_name(device: torch.device | str) -> str:
@@ -108,6 +118,35 @@ def compare(candidates: dict[str, Callable[[], object]], baseline: str, device: 
             samples[label].append(time.perf_counter() - start)
     seconds = {label: statistics.median(t) for label, t in samples.items()}
     return Comparison(baseline, seconds, samples)
+
+
+def peak_memory(fn: Callable[[], object], device: torch.device | str = "cpu") -> int | None:
+    """Bytes of memory ``fn()`` needs above what is already held, at its peak (Note [peak memory of one call])."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        fn()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - base
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM to the current resident size
+    except OSError:
+        return None
+    base = _status_bytes("VmRSS")
+    fn()
+    return max(_status_bytes("VmHWM") - base, 0)
+
+
+def _status_bytes(key: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) * 1024
+    raise OSError(f"{key} not in /proc/self/status")
 
 
 def training_step(net: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, optimizer: torch.optim.Optimizer,

@@ -289,17 +289,17 @@ def fit(
         order = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
         losses, regs, sizes = [], [], []  # per-step tensors, read back once per epoch (one device sync)
         correct = torch.zeros((), dtype=torch.long, device=dev)
-        logits = None
+        counted = False  # whether the loss gave logits to count correct predictions with
         for batch in batches(train_data, batch_size, True, order):
             total = len(batch[0])
             if world is not None:  # Note [data parallel fit]: this rank's share of the global batch
                 batch = tuple(t[world[0]::world[1]] for t in batch)
             x, y = _to_device(batch, dev)
-            reg = regularizer() if regularizer is not None else None
             if len(y):
                 loss, logits = loss_fn(model, x, y)
             else:  # more ranks than samples left in the last batch
                 loss, logits = x.new_zeros(()), None
+            reg = regularizer() if regularizer is not None else None
             if world is None:
                 objective = loss if reg is None else loss + reg
             else:
@@ -318,6 +318,7 @@ def fit(
             sizes.append(len(y))
             if logits is not None:
                 correct += (logits.argmax(1) == y).sum()
+                counted = True
             for cb in callbacks:
                 cb(StepState(step=step, epoch=epoch, loss_tensor=losses[-1], model=model, optimizer=opt))
         if sched is not None:
@@ -331,7 +332,7 @@ def fit(
         total_loss = sum(v * n for v, n in zip(loss_values, sizes))
         total_reg = sum(v * n for v, n in zip(reg_values, sizes))
         record = {"epoch": epoch + 1, "train_loss": total_loss / max(seen, 1),
-                  "train_acc": int(correct) / max(seen, 1) if logits is not None else None,
+                  "train_acc": int(correct) / max(seen, 1) if counted else None,
                   "reg": total_reg / max(seen, 1)}
         if val_data is not None:
             val = evaluate(model, val_data, batch_size=max(batch_size, 512), device=dev, loss_fn=loss_fn)
