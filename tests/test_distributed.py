@@ -5,7 +5,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from sphereml import energy
+from sphereml import comhe, energy, regularizers
 
 WORLD = 2
 
@@ -184,3 +184,58 @@ def test_a_chapter_script_runs_unchanged_under_torchrun(tmp_path):
     assert all(torch.equal(a[k], b[k]) for k in a)
     metrics = json.loads((tmp_path / "out" / "metrics.json").read_text())
     assert metrics["world"] == 2 and metrics["final_loss"] > 0
+
+
+REGULARIZERS = {
+    "MHE half-space": lambda m: regularizers.MHE(m, half_space=True),
+    "CoMHE random": lambda m: comhe.CoMHE(m, proj_dim=3, num_proj=2),
+    "CoMHE adversarial": lambda m: comhe.CoMHE(m, variant="adversarial", proj_dim=3, num_proj=1, ap_every=2),
+    "Orthonormality": lambda m: regularizers.Orthonormality(m, beta=0.1),
+    "ConvSimilarity": lambda m: regularizers.ConvSimilarity(m, beta=0.01),
+}
+
+
+def _conv_model():
+    from sphereml import models
+
+    torch.manual_seed(0)
+    backbone = torch.nn.Sequential(torch.nn.Conv2d(1, 6, 3), torch.nn.ReLU(), torch.nn.Conv2d(6, 6, 3),
+                                   torch.nn.ReLU(), torch.nn.Flatten(), torch.nn.Linear(6 * 4 * 4, 5))
+    backbone.feature_dim = 5
+    return models.Classifier(backbone, 3).double()
+
+
+def _images():
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(64, 1, 8, 8, generator=g, dtype=torch.float64)
+    return torch.utils.data.TensorDataset(x, (x.mean((1, 2, 3)) > 0).long() + (x[:, 0, 0, 0] > 0).long())
+
+
+def _fit_regularized(name):
+    from sphereml import train
+
+    model = _conv_model()
+    reg = REGULARIZERS[name](model)
+    train.fit(model, _images(), epochs=2, batch_size=16, lr=0.05, optimizer="sgd", regularizer=reg, device="cpu",
+              progress=False, seed=1)
+    return model.state_dict()
+
+
+def _regularizer_worker(rank, init, out, name):
+    _join(rank, init)
+    try:
+        torch.save(_fit_regularized(name), f"{out}/reg{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("name", list(REGULARIZERS))
+def test_regularizers_under_data_parallel_fit(name, tmp_path):
+    """Each regulariser (its projections, adversarial updates and random draws included) stays in sync over two
+    ranks and trains the weights one process trains on the whole batch."""
+    _spawn(_regularizer_worker, tmp_path, name)
+    a, b = (torch.load(tmp_path / f"reg{rank}.pt") for rank in range(WORLD))
+    single = _fit_regularized(name)
+    for key, value in single.items():
+        assert torch.equal(a[key], b[key]), key
+        torch.testing.assert_close(a[key], value, rtol=1e-9, atol=1e-11, msg=key)
