@@ -12,7 +12,8 @@ import torch
 from sphereml.timing import compare as compare_round_robin
 from sphereml.timing import device_name, environment, peak_memory, save_result, training_step
 
-__all__ = ["RESULTS", "SMOKE", "smoke_or", "compare", "device_name", "environment", "save", "forward_backward", "training_step"]
+__all__ = ["RESULTS", "SMOKE", "smoke_or", "compare", "device_name", "environment", "save", "forward_backward",
+           "training_step"]
 
 # SPHEREML_BENCH_RESULTS sends the JSON elsewhere (the smoke test writes to a temporary folder).
 RESULTS = Path(os.environ.get("SPHEREML_BENCH_RESULTS") or Path(__file__).resolve().parent / "results")
