@@ -27,11 +27,11 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -e ".[book,test]"
 	@touch $@
 
-# pip's arguments for CPU torch: the CPU wheel index when it answers within 5 s, nothing otherwise (a
-# machine whose own index or wheel cache serves CPU torch, and which cannot reach the PyTorch index, then
-# installs at once instead of pip retrying that index five times for every dependency).
+# pip's arguments for CPU torch: the CPU wheel index when it answers within 5 s (name lookup included), nothing
+# otherwise: a machine that cannot reach the PyTorch index then installs at once from its default index (which
+# may serve CPU torch itself) instead of pip retrying the unreachable index five times for every dependency.
 torch-index:
-	@if $(PYTHON) -c "import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=5)" \
+	@if timeout 5 $(PYTHON) -c "import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=4)" \
 	     "$(TORCH_CPU_INDEX)/" >/dev/null 2>&1; then \
 	  echo "--extra-index-url $(TORCH_CPU_INDEX)"; \
 	else \

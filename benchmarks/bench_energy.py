@@ -370,6 +370,7 @@ def _keops_importable() -> bool:
 
 
 SCALING_D = 256
+SCALING_TIME_CAP_S = 600.0  # a backend stops when its next point, extrapolated as O(N^2), would take longer
 SCALING_SIZES = [2**k for k in range(10, 17)]  # 1,024 ... 65,536 on the CPU
 SCALING_SIZES_CUDA = [2**k for k in range(10, 21)]  # ... 2^20 on a GPU
 
@@ -377,10 +378,10 @@ SCALING_SIZES_CUDA = [2**k for k in range(10, 21)]  # ... 2^20 on a GPU
 def run_scaling(run: _Runner, backends: tuple[str, ...], sizes: list[int], limit: int, smoke: bool) -> dict:
     """Time and peak memory of fwd + bwd against N for each backend, one subprocess per point, under an
     address-space limit of ``limit`` bytes (0: none).  A backend stops at its first failure, or when its
-    time extrapolated to the next N (x 4, the O(N^2) work) would exceed 600 s."""
+    time extrapolated to the next N (x 4, the O(N^2) work) would exceed ``SCALING_TIME_CAP_S``."""
     d = 8 if smoke else SCALING_D
     sizes = sizes[:2] if smoke else sizes
-    out = {"d": d, "address_space_limit_gib": limit / GIB or None, "backends": {}}
+    out = {"d": d, "address_space_limit_gib": limit / GIB or None, "time_cap_s": SCALING_TIME_CAP_S, "backends": {}}
     for backend in backends:
         points = []
         for n in sizes:
@@ -397,7 +398,7 @@ def run_scaling(run: _Runner, backends: tuple[str, ...], sizes: list[int], limit
                     timeout=900)
             points.append({k: r.get(k) for k in ("n", "seconds", "peak_bytes", "ok", "error")})
             _show(r)
-            if not r.get("ok") or r["seconds"] * 4 > 600:
+            if not r.get("ok") or r["seconds"] * 4 > SCALING_TIME_CAP_S:
                 break
         done = [p["n"] for p in points if p["ok"]]
         out["backends"][backend] = {"points": points, "largest_completed": max(done) if done else None}

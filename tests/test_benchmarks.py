@@ -46,3 +46,24 @@ def test_peak_memory_sees_what_one_call_allocates():
         pytest.skip("this kernel does not let /proc/self/clear_refs reset the high-water mark")
     assert 60 * 2**20 <= peak < 128 * 2**20
     assert peak_memory(lambda: held.sum()) < 8 * 2**20
+
+
+def test_the_keops_column_computes_our_energy():
+    """The KeOps formula of the scaling study (benchmarks/bench_energy.py) against backend="tiled"."""
+    import pytest
+    import torch
+
+    pytest.importorskip("pykeops", reason="the KeOps column is optional (pip install pykeops)")
+    import sys
+
+    sys.path.insert(0, str(REPO))
+    from benchmarks.bench_energy import _keops_energy
+    from sphereml.energy import hyperspherical_energy
+
+    w = torch.randn(256, 16, generator=torch.Generator().manual_seed(0)).requires_grad_(True)
+    ours = hyperspherical_energy(w, s=2.0, backend="tiled")
+    (grad_ours,) = torch.autograd.grad(ours, w)
+    theirs = _keops_energy(w)
+    (grad_theirs,) = torch.autograd.grad(theirs, w)
+    torch.testing.assert_close(theirs, ours, rtol=1e-5, atol=0)
+    torch.testing.assert_close(grad_theirs, grad_ours, rtol=1e-4, atol=1e-6)

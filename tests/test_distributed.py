@@ -239,3 +239,32 @@ def test_regularizers_under_data_parallel_fit(name, tmp_path):
     for key, value in single.items():
         assert torch.equal(a[key], b[key]), key
         torch.testing.assert_close(a[key], value, rtol=1e-9, atol=1e-11, msg=key)
+
+
+def _uneven_worker(rank, init, out):
+    from sphereml import train
+
+    _join(rank, init)
+    try:
+        model = _model()
+        frozen = torch.nn.Linear(2, 2).double()  # a parameter no loss reaches: it must not move
+        model.add_module("unused", frozen)
+        x = _data().tensors[0][:33]
+        data = torch.utils.data.TensorDataset(x, (x[:, 0] > 0).long())
+        train.fit(model, data, epochs=2, batch_size=32, lr=0.05, optimizer="sgd", weight_decay=0.1, device="cpu",
+                  progress=False, seed=2)  # the last batch holds 1 sample: rank 1's share is empty
+        torch.save(model.state_dict(), f"{out}/uneven{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_an_empty_share_and_an_unused_parameter(tmp_path):
+    """With no regulariser a rank whose share of the last batch is empty still takes part in the step; a parameter
+    that no rank's loss reaches keeps no gradient, so weight decay leaves it alone, as in one process."""
+    _spawn(_uneven_worker, tmp_path)
+    a, b = (torch.load(tmp_path / f"uneven{rank}.pt") for rank in range(WORLD))
+    start = _model()
+    start.add_module("unused", torch.nn.Linear(2, 2).double())
+    for key, value in a.items():
+        assert torch.equal(value, b[key]), key
+    assert torch.equal(a["unused.weight"], start.state_dict()["unused.weight"])

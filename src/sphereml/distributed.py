@@ -17,8 +17,10 @@ Note [data parallel fit]
     already wrapped in ``DistributedDataParallel`` is left to it.  Buffers (BatchNorm's running
     statistics, the decoupled layers' E{||x||}) are broadcast from rank 0 after every step; batch
     statistics are per rank, so a network with BatchNorm matches one process only with
-    ``nn.SyncBatchNorm``.  The history holds the whole batch's losses and accuracy; rank 0 writes the
-    checkpoint and every rank resumes from it (across machines it must be on a shared file system).
+    ``nn.SyncBatchNorm``, and the running statistics kept (BatchNorm's, E{||x||}) are those of rank 0's
+    share of each batch.  The history holds the whole batch's losses and accuracy, while ``callbacks``
+    see this rank's own loss.  Rank 0 writes the checkpoint and every rank resumes from it (across
+    machines it must be on a shared file system).
 """
 
 from __future__ import annotations
@@ -84,12 +86,16 @@ def barrier() -> None:
 
 
 def sum_gradients(params: list[Tensor]) -> None:
-    """Sum every gradient over the ranks (a missing one counts as zero): one flat all-reduce."""
+    """Sum every gradient over the ranks in one flat all-reduce.  A gradient missing on a rank counts as zero;
+    one missing on every rank stays missing (None), as it would in one process, so that weight decay and
+    momentum leave that parameter alone."""
     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-    flat = torch.cat([g.reshape(-1) for g in grads])
+    present = torch.tensor([float(p.grad is not None) for p in params], dtype=grads[0].dtype, device=grads[0].device)
+    flat = torch.cat([g.reshape(-1) for g in grads] + [present])  # one collective for both
     dist.all_reduce(flat)
-    for p, chunk in zip(params, flat.split([g.numel() for g in grads])):
-        p.grad = chunk.view_as(p).clone()
+    anywhere = (flat[-len(params):] > 0).tolist()
+    for p, chunk, has in zip(params, flat[:-len(params)].split([g.numel() for g in grads]), anywhere):
+        p.grad = chunk.view_as(p).clone() if has else None
 
 
 def broadcast_from_rank0(model: nn.Module, parameters: bool = False) -> None:

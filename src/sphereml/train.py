@@ -12,14 +12,11 @@ Design (nanoGPT's ``train.py`` in spirit, short and explicit):
 * **One loss path.** The default loss is the model's own ``loss_and_logits(x, y)`` when it has
   one (a :class:`~sphereml.models.Classifier`: cross-entropy, or its margin head's loss), else
   cross-entropy of ``model(x)``; ``evaluate`` reports the same loss.
-* **Data parallel.** Under ``torchrun`` (a ``torch.distributed`` process group initialised, gloo on CPU,
-  NCCL on GPU) the same call trains on every rank: see Note [data parallel fit].
 * **Data parallel.** Under ``torchrun`` (a ``torch.distributed`` process group, gloo on CPU, NCCL on
   GPU) the same call trains on every rank, Note [data parallel fit] in :mod:`sphereml.distributed`.
 * **Hookable.** ``regularizer()`` (a :class:`~sphereml.regularizers.Regularizer` bound to the
   model) is added to every step's loss, and ``callbacks`` run after every optimiser step
   (:class:`Tracker` records a value every few steps).
-
 """
 
 from __future__ import annotations
@@ -195,10 +192,6 @@ def _world(model: nn.Module) -> tuple[int, int] | None:
     return distributed.rank(), distributed.world_size()
 
 
-def _rank_zero(world) -> bool:
-    return world is None or world[0] == 0
-
-
 def fit(
     model: nn.Module,
     train_data: Dataset,
@@ -305,7 +298,8 @@ def fit(
             else:
                 objective = loss * (len(y) / total) + (0.0 if reg is None else reg / world[1])
             opt.zero_grad(set_to_none=True)
-            objective.backward()
+            if objective.requires_grad:  # a rank with an empty share and no regulariser has nothing to differentiate
+                objective.backward()
             if world is not None:
                 distributed.sum_gradients(trainable)
             opt.step()
@@ -340,7 +334,7 @@ def fit(
         record["seconds"] = time.perf_counter() - t0
         history.epochs.append(record)
         bar.set_postfix(loss=f"{record['train_loss']:.3f}")
-        if ckpt_path is not None and _rank_zero(world):
+        if ckpt_path is not None and distributed.is_main_process():
             _io.save_torch({
                 "model": model.state_dict(), "optimizer": opt.state_dict(),
                 "scheduler": sched.state_dict() if sched is not None else None,
@@ -348,7 +342,7 @@ def fit(
                 "cuda_rng": torch.cuda.get_rng_state(dev) if dev.type == "cuda" else None,
                 "fingerprint": fingerprint,
             }, ckpt_path)
-        if ckpt_path is not None and world is not None:
+        if ckpt_path is not None:
             distributed.barrier()  # the checkpoint is complete before any rank could resume from it
     bar.close()
     return history

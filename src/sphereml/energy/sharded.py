@@ -85,7 +85,9 @@ def sharded_energy(w_local: Tensor, s: float = 2.0, metric: str = "euclidean", h
     """Pair-mean hyperspherical energy of the rows of all ranks' ``w_local`` (Note [sharded energy]).
 
     Equal to :func:`~sphereml.energy.hyperspherical_energy` of the rows of every rank stacked in rank order;
-    its gradient reaches this rank's rows.  Every rank of ``group`` must call it (a collective).
+    its gradient reaches this rank's rows.  Every rank of ``group`` must call it (a collective), with the same
+    arguments and rows of the same width: a rank whose arguments are refused raises alone, before the
+    collectives, and leaves the others waiting in them.
 
     Args:
         w_local (Tensor[n_r, ...]): this rank's neurons, one per row (ranks may hold different numbers).
