@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "PYTHONPATH": str(REPO / "src")}  # the subprocesses import sphereml from this checkout
 
 TRAIN = textwrap.dedent("""
     import sys, time
@@ -42,8 +43,7 @@ STEPS_PER_EPOCH = 512 // 32
 
 
 def _start(out: Path) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
-    return subprocess.Popen([sys.executable, "-c", TRAIN, str(out)], stdout=subprocess.PIPE, text=True, env=env)
+    return subprocess.Popen([sys.executable, "-c", TRAIN, str(out)], stdout=subprocess.PIPE, text=True, env=ENV)
 
 
 def _finish(out: Path) -> dict:
@@ -104,11 +104,10 @@ def test_a_kill_during_writes_leaves_whole_files(tmp_path):
     import matplotlib.image
     import torch
 
-    env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
     rng = random.Random(0)
     for _ in range(8):
         proc = subprocess.Popen([sys.executable, "-c", WRITE, str(tmp_path)], stdout=subprocess.PIPE, text=True,
-                                env=env)
+                                env=ENV)
         assert proc.stdout.readline().strip() == "ready"
         time.sleep(rng.uniform(0.0, 0.05))
         proc.kill()

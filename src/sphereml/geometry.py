@@ -23,14 +23,21 @@ from torch import Tensor
 from ._checks import integer, real_number
 
 __all__ = [
-    "normalize", "cosine_matrix", "safe_angle", "angle_matrix", "sample_sphere", "integer_margin", "chebyshev_cos",
-    "psi", "multiplicative_psi", "arcface_psi",
+    "max_abs_scale", "safe_norm", "normalize", "cosine_matrix", "safe_angle", "angle_matrix", "sample_sphere",
+    "integer_margin", "chebyshev_cos", "psi", "multiplicative_psi", "arcface_psi",
 ]
 
 
 def _check_eps(eps: float) -> None:
     if not eps > 0:
         raise ValueError(f"eps must be > 0, got {eps}")
+
+
+def max_abs_scale(x: Tensor, dim) -> Tensor:
+    """The largest absolute entry over ``dim`` (an int or a tuple, kept as size-1 axes), detached and floored
+    at the dtype's smallest normal number: what to divide by before squaring, so that the squares neither
+    overflow nor underflow."""
+    return x.detach().abs().amax(dim=dim, keepdim=True).clamp_min(torch.finfo(x.dtype).tiny)
 
 
 def safe_norm(x: Tensor, dim: int = -1, keepdim: bool = False) -> Tensor:
@@ -40,7 +47,7 @@ def safe_norm(x: Tensor, dim: int = -1, keepdim: bool = False) -> Tensor:
     about 1.8e19 has norm inf and one shorter than about 1e-19 has norm 0.  The scale s is detached, so the
     gradient is exactly x / ||x||; a zero vector has norm 0.
     """
-    scale = x.detach().abs().amax(dim=dim, keepdim=True).clamp_min(torch.finfo(x.dtype).tiny)
+    scale = max_abs_scale(x, dim)
     norm = torch.linalg.vector_norm(x / scale, dim=dim, keepdim=True) * scale
     return norm if keepdim else norm.squeeze(dim)
 

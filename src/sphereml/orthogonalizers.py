@@ -34,6 +34,7 @@ import torch
 from torch import Tensor
 
 from ._checks import integer, real_number
+from .geometry import max_abs_scale
 
 __all__ = ["check_square", "gram_schmidt", "householder", "qr_orthogonalize", "lowdin", "skew", "cayley", "exp_map",
            "cayley_sgd_step", "orthogonality_error"]
@@ -55,8 +56,7 @@ def _rescaled(u: Tensor) -> Tensor:
     """``u`` divided by its largest absolute entry (per matrix, detached).  The orthogonalisers below return the same Q
     for U and cU (c > 0), and on the rescaled matrix their squared norms neither overflow nor underflow in
     float32; the gradient is unchanged, Q being scale-invariant."""
-    scale = u.detach().abs().amax(dim=(-2, -1), keepdim=True).clamp_min(torch.finfo(u.dtype).tiny)
-    return u / scale
+    return u / max_abs_scale(u, (-2, -1))
 
 
 def _unit(x: Tensor) -> Tensor:

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ._checks import integer
-from .geometry import normalize
+from .geometry import max_abs_scale, normalize
 
 __all__ = ["pair", "check_padding", "conv_arguments", "explicit_padding", "output_size", "patch_cosine2d",
            "patch_norm2d", "patchwise_reference"]
@@ -105,7 +105,7 @@ def patch_norm2d(x: Tensor, kernel_size, stride=1, padding=0, dilation=1, groups
     """
     b, c, h, w = x.shape
     # Note [patch norm without overflow]
-    scale = x.detach().abs().amax(dim=(1, 2, 3), keepdim=True).clamp_min(torch.finfo(x.dtype).tiny)
+    scale = max_abs_scale(x, (1, 2, 3))
     energy = (x / scale).square().reshape(b, groups, c // groups, h, w).sum(2)  # (B, G, H, W)
     ones = energy.new_ones(groups, 1, *pair(kernel_size, "kernel_size", 1))
     squares = F.conv2d(energy, ones, None, stride, padding, dilation, groups)  # (B, G, H', W')
