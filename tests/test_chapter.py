@@ -82,6 +82,10 @@ def test_claims_are_printed_and_recorded(tmp_path, capsys):
     assert set(saved[0]) == {"id", "statement", "source", "paper", "ours", "profile", "verdict"}
     with pytest.raises(ValueError, match="holds must be True, False or None"):
         ch.claim("x", "y", "z", ours=1, holds="yes")
+    ch.print_verdicts()
+    summary = capsys.readouterr().out.splitlines()
+    assert summary == ["- not distinguishable: two heads differ (thesis Table 2.4)",
+                       "- does not hold: A-Softmax lowers the angular Fisher score below softmax (thesis Table 2.3)"]
 
 
 def test_cifar_is_skipped_with_a_note_when_the_archive_is_missing(tmp_path, monkeypatch, capsys):

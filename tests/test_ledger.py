@@ -48,6 +48,15 @@ def test_every_claim_of_the_ledger_comes_from_a_chapter_that_makes_it():
                 assert made, f"{chapter} names no claim {record['id']!r}"
 
 
+def test_every_chapter_makes_claims_and_has_them_in_the_ledger():
+    """A chapter without claims would leave its section of the ledger empty: every chapter tests something."""
+    snapshot = ledger.load_snapshot(SNAPSHOT)
+    for notebook in sorted((REPO / "notebooks").glob("*.md")):
+        assert "ch.claim(" in notebook.read_text(), f"{notebook.stem} records no claim"
+        runs = snapshot["chapters"].get(notebook.stem, {})
+        assert any(run["claims"] for run in runs.values()), f"{notebook.stem} has no claim in the ledger"
+
+
 def test_every_chapter_with_claims_is_in_the_ledger():
     snapshot = ledger.load_snapshot(SNAPSHOT)
     for notebook in sorted((REPO / "notebooks").glob("*.md")):

@@ -23,6 +23,7 @@ One concept per module:
 * :mod:`~sphereml.train` — ``fit`` / ``evaluate``: seeding, devices, history, checkpoints, callbacks.
 * :mod:`~sphereml.distributed` — ``torchrun`` support: process group, data-parallel gradient sums.
 * :mod:`~sphereml.metrics` — accuracy, angular hardness and Fisher score, verification.
+* :mod:`~sphereml.verdicts` — verdicts that know their noise: paired comparisons over seeds.
 * :mod:`~sphereml.attacks` — FGSM and PGD in the L-infinity ball, accuracy under white- and black-box
   attack, adversarial training.
 * :mod:`~sphereml.timing` — round-robin timing with ratios to a baseline.
@@ -34,7 +35,7 @@ One concept per module:
 
 from . import (angular, attacks, chapter, comhe, convsim, data, decoupled, decoupled_training, distributed, energy,
                geometry, ledger, margins, metrics, models, opt, orthogonalizers, patches, regularizers, schedules, scs,
-               sphereconv, timing, train, viz)
+               sphereconv, timing, train, verdicts, viz)
 from .geometry import angle_matrix, cosine_matrix, normalize, safe_angle, sample_sphere
 from .train import evaluate, fit, resolve_device, seed_everything
 
@@ -43,7 +44,7 @@ __version__ = "0.1.0"
 __all__ = [
     "angular", "attacks", "chapter", "comhe", "convsim", "data", "decoupled", "decoupled_training", "distributed",
     "energy", "geometry", "ledger", "margins", "metrics", "models", "opt", "orthogonalizers", "patches",
-    "regularizers", "schedules", "scs", "sphereconv", "timing", "train", "viz",
+    "regularizers", "schedules", "scs", "sphereconv", "timing", "train", "verdicts", "viz",
     "normalize", "cosine_matrix", "safe_angle", "angle_matrix", "sample_sphere",
     "fit", "evaluate", "resolve_device", "seed_everything", "__version__",
 ]

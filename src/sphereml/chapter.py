@@ -196,6 +196,12 @@ class Chapter:
         print("\n".join(lines))
         return record
 
+    def print_verdicts(self) -> None:
+        """Print every claim recorded so far as one line: verdict, statement, source (for a chapter's summary)."""
+        for record in self.metrics["claims"]:
+            line = f"- {record['verdict']}: {record['statement']} ({record['source']})"
+            print(textwrap.fill(line, PAGE_WIDTH, subsequent_indent="  "))
+
     def write(self) -> Path:
         """Rewrite ``metrics.json`` (rank 0 only: every rank holds the same results)."""
         path = self.output_dir / "metrics.json"

@@ -1,0 +1,83 @@
+"""compare_over_seeds: each term of the noise level, the verdict's three outcomes, and bad arguments."""
+
+import math
+
+import numpy as np
+import pytest
+from scipy import stats
+
+from sphereml.verdicts import SeedComparison, compare_over_seeds
+
+
+def test_one_seed_uses_the_floor_and_the_binomial_noise():
+    result = compare_over_seeds([0.80], [0.79], floor=0.005, n_eval=10_000)
+    binomial = 2 * math.sqrt(2 * 0.795 * 0.205 / 10_000)  # about 0.0114: larger than the floor
+    assert result.noise == pytest.approx(binomial)
+    assert result.spread is None and result.seeds == 1
+    assert result.difference == pytest.approx(0.01) and result.holds is None
+    assert compare_over_seeds([0.80], [0.78], floor=0.005, n_eval=10_000).holds is True
+    assert compare_over_seeds([0.78], [0.80], floor=0.005, n_eval=10_000).holds is False
+
+
+def test_without_n_eval_only_the_floor_and_the_seeds_count():
+    assert compare_over_seeds([3.0], [1.0], floor=1.5).noise == 1.5
+    assert compare_over_seeds([3.0], [1.0], floor=2.5).holds is None
+
+
+def test_the_seed_spread_gives_the_t_half_width_of_the_mean_paired_difference():
+    a, b = [0.90, 0.80, 0.70], [0.85, 0.78, 0.60]  # differences 0.05, 0.02, 0.10
+    result = compare_over_seeds(a, b, floor=0.0)
+    diffs = [0.05, 0.02, 0.10]
+    s = math.sqrt(sum((d - sum(diffs) / 3) ** 2 for d in diffs) / 2)
+    assert result.spread == pytest.approx(s)
+    assert result.noise == pytest.approx(stats.t.ppf(0.975, 2) * s / math.sqrt(3))
+    assert result.difference == pytest.approx(sum(diffs) / 3)
+    assert result.holds is None  # mean 0.057 against a half-width of 0.10: the seeds disagree too much
+
+
+def test_pairing_removes_the_shared_seed_effect():
+    """A seed that lifts both variants alike does not widen the noise: only the differences count."""
+    a = [0.60, 0.90, 0.75]
+    b = [x - 0.02 for x in a]
+    result = compare_over_seeds(a, b, floor=0.005)
+    assert result.spread == pytest.approx(0.0, abs=1e-12) and result.holds is True
+
+
+def test_the_largest_term_wins():
+    loose = compare_over_seeds([0.5, 0.5], [0.49, 0.49], floor=0.2, n_eval=100)
+    assert loose.noise == 0.2 and loose.holds is None
+    binomial = compare_over_seeds([0.5, 0.5], [0.49, 0.49], floor=0.0, n_eval=100)
+    # the seeds share the evaluation set, so its error does not shrink with the number of seeds
+    assert binomial.noise == pytest.approx(2 * math.sqrt(2 * 0.495 * 0.505 / 100))
+    assert compare_over_seeds([0.5], [0.49], floor=0.0, n_eval=np.int64(100)).noise == pytest.approx(binomial.noise)
+
+
+def test_numbers_are_a_claims_ours_dict():
+    result = compare_over_seeds([0.8123, 0.8234], [0.8011, 0.8001], floor=0.005)
+    numbers = result.numbers("MHE", "baseline", scale=100, digits=2)
+    assert list(numbers) == ["baseline", "MHE", "seeds", "noise", "seed s.d."]
+    assert numbers["MHE"] == pytest.approx(81.78) and numbers["seeds"] == 2
+    assert "seed s.d." not in compare_over_seeds([1.0], [0.0], floor=0.1).numbers("a", "b")
+
+
+def test_is_a_frozen_record():
+    result = compare_over_seeds([1.0], [0.0], floor=0.1)
+    assert isinstance(result, SeedComparison)
+    with pytest.raises(AttributeError):
+        result.noise = 0.0
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(a=[], b=[], floor=0.1), "one value per seed"),
+    (dict(a=[0.1, 0.2], b=[0.1], floor=0.1), "one value per seed each"),
+    (dict(a=[float("nan")], b=[0.1], floor=0.1), "finite"),
+    (dict(a=[0.1], b=[0.1], floor=-1.0), "floor"),
+    (dict(a=[0.1], b=[0.1], floor=0.1, n_eval=0), "n_eval"),
+    (dict(a=[0.1], b=[0.1], floor=0.1, n_eval=True), "n_eval"),
+    (dict(a=[1.5], b=[0.1], floor=0.1, n_eval=10), "accuracies"),
+    (dict(a=[0.1], b=[0.1], floor=0.1, confidence=1.0), "confidence"),
+])
+def test_bad_arguments_raise_clear_errors(kwargs, message):
+    a, b = kwargs.pop("a"), kwargs.pop("b")
+    with pytest.raises(ValueError, match=message):
+        compare_over_seeds(a, b, **kwargs)
