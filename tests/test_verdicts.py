@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from sphereml.verdicts import SeedComparison, compare_over_seeds
+from sphereml.verdicts import SeedComparison, compare_over_seeds, every
 
 
 def test_one_seed_uses_the_floor_and_the_binomial_noise():
@@ -81,3 +81,12 @@ def test_bad_arguments_raise_clear_errors(kwargs, message):
     a, b = kwargs.pop("a"), kwargs.pop("b")
     with pytest.raises(ValueError, match=message):
         compare_over_seeds(a, b, **kwargs)
+
+
+def test_every_holds_only_when_all_hold_and_fails_when_any_fails():
+    assert every([True, True]) is True
+    assert every([True, None]) is None
+    assert every([None, False, True]) is False
+    assert every(c for c in (True,)) is True  # any iterable
+    with pytest.raises(ValueError, match="True, False or None"):
+        every([True, "yes"])

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 from scipy import stats
 
-__all__ = ["SeedComparison", "compare_over_seeds"]
+__all__ = ["SeedComparison", "compare_over_seeds", "every"]
 
 
 @dataclass(frozen=True)
@@ -121,3 +121,11 @@ def compare_over_seeds(a, b, *, floor: float, n_eval: int | None = None, confide
         quantile = float(stats.t.ppf(0.5 + confidence / 2, k - 1))
         noise = max(noise, quantile * spread / math.sqrt(k))
     return SeedComparison(mean_a, mean_b, difference, noise, k, spread)
+
+
+def every(verdicts) -> bool | None:
+    """A claim made for every case: True if all hold, False if any fails, else None (not distinguishable)."""
+    verdicts = list(verdicts)
+    if any(v not in (True, False, None) for v in verdicts):
+        raise ValueError(f"verdicts must be True, False or None, got {verdicts}")
+    return False if False in verdicts else True if all(v is True for v in verdicts) else None
