@@ -49,7 +49,7 @@ def run(device: torch.device, batch: int = 128, width: int = 64, repeats: int = 
         candidates[method] = _step(_network(method, device, width), x, y)
     print(f"--- OPT training step, CNN-6 width {width}, batch {batch}, 32x32x3, 100 classes")
     return compare(f"opt_train_step_cnn6_w{width}_b{batch}", candidates, baseline="plain CNN-6", device=device,
-                   repeats=repeats, extra={"batch": batch, "width": width, "network": "CNN-6 (Table F.1)"})
+                   repeats=repeats, extra={"batch": batch, "width": width, "network": "CNN-6 (Table F.1)"}, count=True)
 
 
 if __name__ == "__main__":

@@ -187,9 +187,10 @@ def test_auto_backend_choice():
     from sphereml.energy import TILED_ABOVE, _backend_for
 
     small, large = torch.zeros(10, 3), torch.zeros(TILED_ABOVE + 1, 3)
-    assert _backend_for(small, "euclidean", "auto") == "dense"
-    assert _backend_for(large, "euclidean", "auto") == "tiled"
-    assert _backend_for(large.double(), "angular", "auto") == "tiled"
+    assert _backend_for(small, len(small), "euclidean", "auto") == "dense"
+    assert _backend_for(large, len(large), "euclidean", "auto") == "tiled"
+    assert _backend_for(small, 2 * TILED_ABOVE, "euclidean", "auto") == "tiled"  # half space counts 2N points
+    assert _backend_for(large.double(), len(large), "angular", "auto") == "tiled"
     assert energy_metric(_w(), s=1.0) == pytest.approx(float(E(_w(), s=1.0)))
 
 

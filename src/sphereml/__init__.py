@@ -11,11 +11,13 @@ One concept per module:
 * :mod:`~sphereml.decoupled` — decoupled operators h(||w||, ||x||) g(theta) and their unfold reference.
 * :mod:`~sphereml.decoupled_training` — weight projection, weighted gradients, pretrained initialisation.
 * :mod:`~sphereml.scs` — sharpened cosine similarity, max-abs pooling and the unfold reference.
-* :mod:`~sphereml.energy` — hyperspherical energy with dense, tiled and Triton backends, and sharded over ranks.
+* :mod:`~sphereml.energy` — hyperspherical energy with dense, tiled and Triton backends, sharded over ranks,
+  and many layers at once without device synchronisation (``energy.batched``).
 * :mod:`~sphereml.convsim` — convolutional similarity of kernels (pure tensor math).
 * :mod:`~sphereml.regularizers` — regularisers bound to a model's layers once: orthonormality,
   orthogonality, convolutional similarity, MHE.
 * :mod:`~sphereml.comhe` — compressive MHE: random, angle-preserving, adversarial, group, bilateral projections.
+* :mod:`~sphereml.comhe_functional` — CoMHE's functional core: projected, group and bilateral energies, L_P.
 * :mod:`~sphereml.orthogonalizers` — Gram-Schmidt, Householder, Löwdin, Cayley, exp; the Cayley SGD step.
 * :mod:`~sphereml.opt` — orthogonal over-parameterised layers (OPT, PE-OPT, S-OPT), refinement, OGD.
 * :mod:`~sphereml.models` — the book's networks, built from operator factories; ``Classifier``.
@@ -27,24 +29,26 @@ One concept per module:
 * :mod:`~sphereml.attacks` — FGSM and PGD in the L-infinity ball, accuracy under white- and black-box
   attack, adversarial training.
 * :mod:`~sphereml.timing` — round-robin timing with ratios to a baseline.
+* :mod:`~sphereml.launches` — operations per step counted and host reads refused, on the CPU.
 * :mod:`~sphereml.viz` — the book's plotting style and helpers.
 * :mod:`~sphereml.chapter` — the chapter runtime: profiles, figures, metrics, claim records.
 * :mod:`~sphereml.ledger` — the claims ledger: every chapter's claim records gathered into one page.
 * ``sphereml.book`` — the papermill runner (``python -m sphereml.book``); not imported here.
 """
 
-from . import (angular, attacks, chapter, comhe, convsim, data, decoupled, decoupled_training, distributed, energy,
-               geometry, ledger, margins, metrics, models, opt, orthogonalizers, patches, regularizers, schedules, scs,
-               sphereconv, timing, train, verdicts, viz)
+from . import (angular, attacks, chapter, comhe, comhe_functional, convsim, data, decoupled, decoupled_training,
+               distributed, energy, geometry, launches, ledger, margins, metrics, models, opt, orthogonalizers,
+               patches, regularizers, schedules, scs, sphereconv, timing, train, verdicts, viz)
 from .geometry import angle_matrix, cosine_matrix, normalize, safe_angle, sample_sphere
 from .train import evaluate, fit, resolve_device, seed_everything
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "angular", "attacks", "chapter", "comhe", "convsim", "data", "decoupled", "decoupled_training", "distributed",
-    "energy", "geometry", "ledger", "margins", "metrics", "models", "opt", "orthogonalizers", "patches",
-    "regularizers", "schedules", "scs", "sphereconv", "timing", "train", "verdicts", "viz",
+    "angular", "attacks", "chapter", "comhe", "comhe_functional", "convsim", "data", "decoupled",
+    "decoupled_training", "distributed", "energy", "geometry", "launches", "ledger", "margins", "metrics", "models",
+    "opt", "orthogonalizers", "patches", "regularizers", "schedules", "scs", "sphereconv", "timing", "train",
+    "verdicts", "viz",
     "normalize", "cosine_matrix", "safe_angle", "angle_matrix", "sample_sphere",
     "fit", "evaluate", "resolve_device", "seed_everything", "__version__",
 ]

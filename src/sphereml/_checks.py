@@ -15,6 +15,8 @@ from typing import Iterable
 import torch
 from torch import Tensor
 
+from . import launches
+
 
 def real_number(name: str, value, *, at_least: float | None = None, above: float | None = None,
                 below: float | None = None, at_most: float | None = None) -> float:
@@ -66,13 +68,14 @@ def labels(name: str, value, n: int, num_classes: int | None = None) -> Tensor:
         raise ValueError(f"{name} must be an int64 (long) tensor, got {getattr(value, 'dtype', type(value).__name__)}")
     if value.shape != (n,):
         raise ValueError(f"{name} must be Tensor[{n}], got shape {tuple(value.shape)}")
-    if num_classes is not None and n and value.device.type == "cpu" and not _compiling():
+    if num_classes is not None and n and values_readable(value):
         low, high = int(value.min()), int(value.max())
         if low < 0 or high >= num_classes:
             raise ValueError(f"{name} must lie in [0, {num_classes}), got range [{low}, {high}]")
     return value
 
 
-def _compiling() -> bool:
-    compiler = getattr(torch, "compiler", None)
-    return bool(compiler is not None and compiler.is_compiling())
+def values_readable(t: Tensor) -> bool:
+    """Whether a value check may read ``t``: a CPU tensor, eagerly, outside :func:`sphereml.launches.no_host_sync`
+    (which runs code as it would run on a GPU, where reading a value synchronises the device)."""
+    return t.device.type == "cpu" and not torch.compiler.is_compiling() and not launches.checking_host_reads()

@@ -6,26 +6,27 @@ to a low-dimensional sphere first and minimises the energy there (eq. 6.3)::
 
     E^C_s = sum_{i != j} f_s(|| g(w_i) - g(w_j) ||),   g(w) = P w / ||P w||,   P in R^{k x d}.
 
-Functional core (one concept each; every energy goes through
-:func:`~sphereml.energy.hyperspherical_energy`, so every backend serves CoMHE):
+Functional core (:mod:`~sphereml.comhe_functional`, the readable references): :func:`projected_energies`
+(their mean is RP-CoMHE, eq. 6.4, their max eq. 6.5), :func:`angle_distortion` (L_P of eq. 6.6) and its
+closed-form gradient :func:`angle_distortion_grad`, :func:`group_energy` (eq. 6.9) and
+:func:`bilateral_energy` (eqs. E.20-E.22).
 
-* :func:`projected_energies` — the energy of the projected neurons for each of C projections;
-  their mean is RP-CoMHE (eq. 6.4), their max the "max" form (eq. 6.5);
-* :func:`angle_distortion` — L_P of eq. 6.6 with cosines for angles (as the authors' code), as a pair mean;
-* :func:`group_energy` — group CoMHE (eq. 6.9): 0/1 diagonal projections onto channel groups;
-* :func:`bilateral_energy` — plain bilateral projection (eqs. E.20-E.22): the neurons projected,
-  and random combinations of the neurons, each set regularised on its own sphere.
+The regulariser: :class:`CoMHE`, a kind of :class:`~sphereml.regularizers.MHE` whose hidden layers are
+compressed.  The thesis's defaults: k + 1 = 30 projected coordinates (§6.6.1: "projection dimension 30,
+i.e. k = 29"; ``proj_dim`` counts the coordinates), C = 5 projections, half-space MHE underneath, s = 2, a
+projection basis shared by the layers of equal fan-in, projections redrawn every step (the authors' code)
+and never trained by the data loss.
 
-Module shell: :class:`CoMHE`, a :class:`~sphereml.regularizers.Regularizer` bound to a model once.
-The thesis's defaults: k + 1 = 30 projected coordinates (§6.6.1: "projection dimension 30, i.e. k = 29";
-``proj_dim`` counts the coordinates),
-C = 5 projections, half-space MHE underneath, s = 2, a projection basis shared by the layers of equal
-fan-in, projections redrawn every step (the authors' code) and never trained by the data loss.
-
-Note [projection scale]
-    g is invariant to the scale of P, so unscaled N(0, 1) entries are used.  Lemma 3's mean
-    preservation E<P w1, P w2> = <w1, w2> needs entries of variance 1/k, where k is the number of
-    rows of P; the thesis writes 1/n.  Chapter 7 checks both.
+Note [CoMHE without host work]
+    A step of the regulariser is one batched evaluation (Note [batched energy] in
+    :mod:`~sphereml.energy.batched`): the layers of equal fan-in are packed into one Tensor[L, N, d], all
+    their C projections are one batched product, channel groups are a reshape, and every projected set
+    joins one evaluation of the energy.  Projections are drawn on the weights' device, from the
+    regulariser's own seeded generator there, all in one draw; drawing them and fitting or ascending P
+    (angle-preserving, adversarial) happen in :meth:`CoMHE.before_step`, outside the penalty, so the
+    penalty is a pure function of the weights that compiles as one graph.  The unrolled angle-preserving
+    step needs grad_P L_P as a function of W: it is written in closed form
+    (:func:`angle_distortion_grad`), so the penalty is differentiated once, never with ``create_graph``.
 """
 
 from __future__ import annotations
@@ -34,109 +35,38 @@ import torch
 from torch import Tensor, nn
 
 from ._checks import integer, one_of, real_number
-from .energy import hyperspherical_energy
-from .geometry import normalize
-from .regularizers import LAYER_KINDS, Regularizer, network_energy, output_layer, select_layers
+from .comhe_functional import (angle_distortion, angle_distortion_grad, bilateral_energy, group_energy, project,
+                               projected_energies)
+from .energy import BATCHED_MAX, hyperspherical_energy
+from .energy.batched import PointSets, RowPacking, SetEnergies, pair_weights
+from .regularizers import MHE, network_energy
 
-__all__ = ["VARIANTS", "projected_energies", "angle_distortion", "group_energy", "bilateral_energy", "CoMHE"]
+# The functional core lives in sphereml.comhe_functional; its public functions are listed here too, where the
+# regulariser's users look for them.
+__all__ = ["VARIANTS", "CoMHE", "projected_energies", "angle_distortion", "angle_distortion_grad", "group_energy",
+           "bilateral_energy"]
 
 VARIANTS = ("random", "random_max", "angle", "adversarial", "group", "bilateral")
 
 
-def _rows(w: Tensor) -> Tensor:
-    if not isinstance(w, Tensor) or w.dim() < 2:
-        raise ValueError(f"w must be a Tensor[N, ...] with one neuron per row, got {getattr(w, 'shape', w)!r}")
-    return w.flatten(1)  # (N, d)
+class _Group:
+    """Compressed hidden layers packed together: equal fan-in (or, for "group", equal neuron shape)."""
+
+    def __init__(self, layers: list[int], sizes: list[int], fan_in: int, neuron_shape: torch.Size):
+        self.layers, self.sizes, self.fan_in = layers, sizes, fan_in
+        self.neuron_shape = neuron_shape
+        self.packing = RowPacking(sizes)
+        self.rows = self.packing.rows
 
 
-def _check_projections(p: Tensor, d: int) -> Tensor:
-    if not isinstance(p, Tensor) or p.dim() != 3 or p.shape[-1] != d:
-        raise ValueError(f"p must be a Tensor[C, k, {d}] of projections, got {tuple(getattr(p, 'shape', ()))}")
-    return p
-
-
-def projected_energies(w: Tensor, p: Tensor, s: float = 2.0, half_space: bool = True,
-                       backend: str = "auto") -> Tensor:
-    """The energy of the neurons projected by each P_c (thesis eqs. 6.3-6.5), as a Tensor[C].
-
-    Args:
-        w (Tensor[N, ...]): neurons, one per row (flattened).
-        p (Tensor[C, k, d]): C projections to k dimensions.
-        s, half_space, backend: passed to :func:`~sphereml.energy.hyperspherical_energy`, which
-            normalises the projected rows: g(w) = P w / ||P w|| (half-space adds -g(w)).
-
-    Returns:
-        Tensor[C]: pair-mean energies; ``.mean()`` is RP-CoMHE (eq. 6.4), ``.amax()`` its max form (eq. 6.5).
-    """
-    flat = _rows(w)
-    _check_projections(p, flat.shape[1])
-    return torch.stack([hyperspherical_energy(flat @ pc.mT, s, half_space=half_space, backend=backend) for pc in p])
-
-
-def angle_distortion(w: Tensor, p: Tensor) -> Tensor:
-    """L_P of eq. 6.6 with cosines for angles (as the authors' code does): the mean over pairs i != j and
-    projections of (cos(P w_i, P w_j) - cos(w_i, w_j))^2.  Eq. 6.6 sums over pairs and the authors' code
-    takes an unsquared Frobenius norm; the minimiser is the same, only the scale differs."""
-    flat = _rows(w)
-    _check_projections(p, flat.shape[1])
-    if len(flat) < 2:
-        raise ValueError(f"w must hold at least 2 neurons to have pairs, got {len(flat)}")
-    unit = normalize(flat)
-    cos = unit @ unit.mT  # (N, N)
-    projected = normalize(flat @ p.mT)  # (C, N, k)
-    cos_p = projected @ projected.mT  # (C, N, N)
-    n = len(flat)
-    off = ~torch.eye(n, dtype=torch.bool, device=flat.device)
-    return (cos_p - cos)[:, off].pow(2).mean()
-
-
-def group_energy(w: Tensor, group_size: int, s: float = 2.0, half_space: bool = True, backend: str = "auto") -> Tensor:
-    """Group CoMHE (eq. 6.9): the mean over channel groups of the energy of the neurons restricted to a group.
-
-    P_c keeps the coordinates of ``group_size`` consecutive input channels (a 0/1 diagonal matrix; the groups
-    partition the channels).  For a conv weight Tensor[N, C_in, k, k] a channel is C_in's axis; for a linear
-    weight Tensor[N, d], one input coordinate.
-
-    Args:
-        w (Tensor[N, C_in, ...]): neurons.
-        group_size (int): channels per group; must divide C_in (the thesis: 8).
-    """
-    if not isinstance(w, Tensor) or w.dim() < 2:
-        raise ValueError(f"w must be a Tensor[N, C_in, ...], got {getattr(w, 'shape', w)!r}")
-    integer("group_size", group_size, at_least=1)
-    if w.shape[1] % group_size:
-        raise ValueError(f"group_size must divide the {w.shape[1]} input channels, got {group_size}")
-    groups = w.unflatten(1, (-1, group_size)).transpose(0, 1)  # (G, N, group_size, ...)
-    return torch.stack([hyperspherical_energy(g, s, half_space=half_space, backend=backend) for g in groups]).mean()
-
-
-def bilateral_energy(w: Tensor, p1: Tensor, p2: Tensor, s: float = 2.0, half_space: bool = True,
-                     backend: str = "auto") -> Tensor:
-    """Plain bilateral-projection CoMHE (eqs. E.20-E.22) in the rows-are-neurons layout:
-    E(rows of W P1^T) + E(rows of P2 W) — the neurons projected to k dimensions, and r random
-    combinations of the neurons in the original d dimensions.
-
-    Args:
-        w (Tensor[N, ...]): neurons.
-        p1 (Tensor[k, d]): the projection of the neurons.
-        p2 (Tensor[r, N]): the combinations, r >= 2.
-    """
-    flat = _rows(w)
-    if p1.dim() != 2 or p1.shape[1] != flat.shape[1]:
-        raise ValueError(f"p1 must be a Tensor[k, {flat.shape[1]}], got {tuple(p1.shape)}")
-    if p2.dim() != 2 or p2.shape[1] != len(flat) or len(p2) < 2:
-        raise ValueError(f"p2 must be a Tensor[r >= 2, {len(flat)}], got {tuple(p2.shape)}")
-    projected = hyperspherical_energy(flat @ p1.mT, s, half_space=half_space, backend=backend)
-    return projected + hyperspherical_energy(p2 @ flat, s, half_space=half_space, backend=backend)
-
-
-class CoMHE(Regularizer):
+class CoMHE(MHE):
     """Compressive MHE on a model's hidden layers, plus full-space MHE on its classifier (thesis §6.3, eq. 5.4).
 
     ``reg()`` returns lambda_hidden * sum over hidden layers of the layer's compressive energy +
-    lambda_output * E_s(classifier).  Each call is one training step: projections are redrawn every
-    ``resample_every`` calls from the regulariser's own seeded generator (so a seed reproduces them),
-    and they never receive a gradient from the data loss.
+    lambda_output * E_s(classifier).  Each call is one training step (:meth:`before_step`, then the
+    penalty): projections are redrawn every ``resample_every`` calls from the regulariser's own seeded
+    generator on the weights' device (so a seed reproduces them on a device), and they never receive a
+    gradient from the data loss.  Note [CoMHE without host work] says how a step is batched.
 
     Args:
         model (nn.Module): the network; its layers are selected once, here (the rule of
@@ -161,7 +91,7 @@ class CoMHE(Regularizer):
         ap_steps (int): those steps. Default: 1.
         unrolled (bool): ``"angle"``: use P - ap_lr grad_P L_P(W, P), differentiated through W as well
             (the one-step unrolled AP-CoMHE, the thesis's best). Default: True.
-        seed (int): seeds the projections. backend (str): energy backend.
+        seed (int): seeds the projections. backend (str): energy backend of layers too large to batch.
     """
 
     def __init__(self, model: nn.Module, variant: str = "random", proj_dim: int = 30, num_proj: int = 5,
@@ -171,33 +101,28 @@ class CoMHE(Regularizer):
         self.variant = one_of("variant", variant, VARIANTS)
         self.proj_dim = integer("proj_dim", proj_dim, at_least=1)
         self.num_proj = integer("num_proj", num_proj, at_least=1)
-        self.s = real_number("s", s, at_least=0.0)
-        self.half_space, self.shared_basis, self.unrolled = bool(half_space), bool(shared_basis), bool(unrolled)
+        self.shared_basis, self.unrolled = bool(shared_basis), bool(unrolled)
         if resample_every == "auto":
             resample_every = None if self.variant in ("angle", "adversarial") else 1
         self.resample_every = None if resample_every is None else integer("resample_every", resample_every, at_least=1)
-        self.lambda_hidden = real_number("lambda_hidden", lambda_hidden, at_least=0.0)
-        self.lambda_output = real_number("lambda_output", lambda_output, at_least=0.0)
         self.group_size = integer("group_size", group_size, at_least=1)
         self.ap_lr = real_number("ap_lr", ap_lr, above=0.0)
         self.ap_every = integer("ap_every", ap_every, at_least=1)
         self.ap_steps = integer("ap_steps", ap_steps, at_least=1)
-        self.seed, self.backend = integer("seed", seed, at_least=0), backend
-        self.generator = torch.Generator().manual_seed(seed)
-        self.hidden = [m for m in select_layers(model, LAYER_KINDS, include_output=False) if m.weight.shape[0] >= 2]
-        output = output_layer(model)
-        self.output = output if output is not None and self.lambda_output > 0 and output.weight.shape[0] >= 2 else None
-        self.layers = self.hidden + ([self.output] if self.output is not None else [])
-        if not self.layers:
-            raise ValueError("the model has no layer with at least 2 neurons to regularise")
+        self.seed = integer("seed", seed, at_least=0)
         self.calls = 0
-        self.projections: dict = {}  # key -> Tensor[C, k, d] (and "combine", i -> Tensor[r, N] for bilateral)
+        self._generator: torch.Generator | None = None
+        self._drawn: list[Tensor] | None = None  # per compressed group: P (and the combinations for bilateral)
+        self._shares: dict = {}  # (group, device, dtype) -> the pair weights of L_P
+        super().__init__(model, s, half_space, "euclidean", lambda_hidden, lambda_output, backend)
 
-    # ------------------------------------------------------------------ projections
+    # ------------------------------------------------------------------ layers and blocks
     def compressed(self, layer: nn.Module) -> bool:
         """Whether ``layer`` gets the compressive energy (else plain MHE: its fan-in is at most k, or a
         channel count the groups do not divide)."""
         w = layer.weight
+        if len(w) > BATCHED_MAX:
+            return False
         if self.variant == "group":
             return w.shape[1] % self.group_size == 0 and w.shape[1] > self.group_size
         return w[0].numel() > self.proj_dim
@@ -207,59 +132,208 @@ class CoMHE(Regularizer):
         d = self.hidden[index].weight[0].numel()
         return ("fan_in", d) if self.shared_basis else ("layer", index)
 
-    def _draw(self, *shape: int, like: Tensor) -> Tensor:
-        return torch.randn(*shape, generator=self.generator).to(device=like.device, dtype=like.dtype)
+    def _terms(self) -> list[tuple[nn.Module, bool, float]]:
+        """MHE's terms for the layers CoMHE leaves uncompressed (and the classifier)."""
+        return [t for t in super()._terms() if not (t[0] in self.hidden and self.compressed(t[0]))]
+
+    def _bind_energies(self) -> None:
+        super()._bind_energies()
+        by_shape: dict = {}
+        for i, layer in enumerate(self.hidden):
+            if self.compressed(layer):
+                w = layer.weight
+                by_shape.setdefault(w.shape[1:] if self.variant == "group" else w[0].numel(), []).append(i)
+        self.groups = [_Group(members, [self.hidden[i].weight.shape[0] for i in members],
+                              self.hidden[members[0]].weight[0].numel(), self.hidden[members[0]].weight.shape[1:])
+                       for members in by_shape.values()]
+        blocks = []
+        for group in self.groups:
+            for copies, sizes in self._sets(group):
+                blocks.append(PointSets(max(sizes), tuple(n for n in sizes for _ in range(copies)),
+                                        (self.half_space,) * (copies * len(sizes))))
+        self._compressed = SetEnergies(blocks, self.s) if blocks else None
+
+    def _sets(self, group: _Group) -> list[tuple[int, list[int]]]:
+        """The blocks of point sets a group makes: (sets per layer, points per set of each layer)."""
+        if self.variant == "group":
+            return [(group.neuron_shape[0] // self.group_size, group.sizes)]
+        if self.variant == "bilateral":
+            return [(1, group.sizes), (1, [self._combinations(n) for n in group.sizes])]
+        return [(self.num_proj, group.sizes)]
+
+    def _combinations(self, n: int) -> int:
+        return max(2, min(self.proj_dim, n // 2))  # r < N combinations, so the second energy compresses too
+
+    # ------------------------------------------------------------------ projections (outside the penalty)
+    def _generator_on(self, device: torch.device) -> torch.Generator:
+        if self._generator is None or self._generator.device != device:
+            self._generator = torch.Generator(device=device).manual_seed(self.seed)
+        return self._generator
 
     def resample(self) -> None:
-        """Draw every projection afresh, in a fixed order (layer order), from the seeded generator."""
-        self.projections = {}
-        for i, layer in enumerate(self.hidden):
-            if not self.compressed(layer) or self.variant == "group":
-                continue
-            w = layer.weight
-            key = self.key(i)
-            if key not in self.projections:
-                self.projections[key] = self._draw(self.num_proj, self.proj_dim, w[0].numel(), like=w)
-            if self.variant == "bilateral":  # r < N combinations, so the second energy compresses too
-                r = max(2, min(self.proj_dim, len(w) // 2))
-                self.projections[("combine", i)] = self._draw(r, len(w), like=w)
+        """Draw every projection afresh, in one draw on the weights' device from the seeded generator."""
+        if self.variant == "group" or not self.groups:
+            self._drawn = []
+            return
+        w = self.layers[0].weight
+        shapes = []
+        for group in self.groups:
+            projection = (1 if self.variant == "bilateral" else self.num_proj, self.proj_dim, group.fan_in)
+            shapes.append(projection if self.shared_basis else (len(group.layers), *projection))
+            if self.variant == "bilateral":
+                shapes.append((len(group.layers), max(map(self._combinations, group.sizes)), group.rows))
+        numbers = [torch.Size(shape).numel() for shape in shapes]
+        draw = torch.randn(sum(numbers), generator=self._generator_on(w.device), device=w.device, dtype=w.dtype)
+        parts = [part.view(shape) for part, shape in zip(draw.to(torch.float64).split(numbers), shapes)]
+        if self.variant == "bilateral":  # zero the combinations' padding: rows beyond r, columns beyond n
+            for g, group in enumerate(self.groups):
+                mask = torch.zeros_like(parts[2 * g + 1])
+                for l, n in enumerate(group.sizes):
+                    mask[l, :self._combinations(n), :n] = 1.0
+                parts[2 * g + 1] = parts[2 * g + 1] * mask
+        self._drawn = parts
 
-    def _users(self) -> dict:
-        """Projection key -> the hidden layers that use it (a shared basis serves several)."""
-        users: dict = {}
-        for i, layer in enumerate(self.hidden):
-            if self.key(i) in self.projections:
-                users.setdefault(self.key(i), []).append(layer)
-        return users
+    @property
+    def projections(self) -> dict:
+        """The current projections by :meth:`key` (Tensor[C, k, d]), and ("combine", i) -> Tensor[r, N] for
+        bilateral: copies, in the weights' dtype, of what :meth:`resample` drew (kept in float64)."""
+        out: dict = {}
+        if not self._drawn:
+            return out
+        dtype = self.layers[0].weight.dtype
+        for g, group in enumerate(self.groups):
+            p = self._drawn[2 * g if self.variant == "bilateral" else g].to(dtype)
+            for l, i in enumerate(group.layers):
+                out[self.key(i)] = p if self.shared_basis else p[l]
+                if self.variant == "bilateral":
+                    n = group.sizes[l]
+                    out[("combine", i)] = self._drawn[2 * g + 1][l, :self._combinations(n), :n].to(dtype)
+        return out
 
-    def _step(self, p: Tensor, objective, sign: float) -> Tensor:
-        """P moved by ap_lr * ||P|| along sign * grad objective(P) (a scale-free step; differentiable)."""
-        (grad,) = torch.autograd.grad(objective(p), p, create_graph=torch.is_grad_enabled() and p.requires_grad)
-        scale = self.ap_lr * p.detach().norm() / grad.norm().clamp_min(1e-30)
-        return p + sign * scale * grad
+    def _share(self, group: _Group, device: torch.device) -> Tensor:
+        """Pair weights of L_P for a group: 1 / (C n (n - 1)) on real pairs i != j (Tensor[L, N, N])."""
+        minus, _ = pair_weights(PointSets(group.rows, tuple(group.sizes), (False,) * len(group.sizes)),
+                                "pair_mean", device)
+        return minus / self.num_proj
+
+    def _step(self, p: Tensor, grad: Tensor, sign: float) -> Tensor:
+        """Each P_l (Tensor[L, C, k, d]) moved by ap_lr * ||P_l|| along sign * grad_l: a scale-free step."""
+        def norm(t):
+            return torch.linalg.vector_norm(t, dim=(1, 2, 3), keepdim=True)
+        return p + sign * self.ap_lr * norm(p.detach()) / norm(grad).clamp_min(1e-30) * grad
 
     def _fit_angle(self) -> None:
         """AP-CoMHE, alternating part: ``ap_steps`` steps on the summed L_P of the layers sharing each P."""
-        for key, layers in self._users().items():
-            p = self.projections[key]
-            for _ in range(self.ap_steps):
-                with torch.enable_grad():
-                    p = self._step(p.detach().requires_grad_(True),
-                                   lambda q: sum(angle_distortion(m.weight.detach(), q) for m in layers), -1.0)
-            self.projections[key] = p.detach()
+        with torch.no_grad():
+            for g, group in enumerate(self.groups):
+                x = self._pack(group, detach=True, dtype=self._dtype)
+                share = self._share_cache(g, group, x.device)
+                p = self._drawn[g].to(self._dtype)
+                for _ in range(self.ap_steps):
+                    grad = angle_distortion_grad(x, p, share)  # (L, C, k, d)
+                    if self.shared_basis:
+                        p = self._step(p.unsqueeze(0), grad.sum(0, keepdim=True), -1.0)[0]
+                    else:
+                        p = self._step(p, grad, -1.0)
+                self._drawn[g] = p.to(torch.float64)
 
     def _ascend(self) -> None:
         """Adversarial CoMHE: one ascent step of each projection on the summed projected energy of its layers."""
-        for key, layers in self._users().items():
-            with torch.enable_grad():
-                p = self._step(self.projections[key].detach().requires_grad_(True), lambda q: sum(
-                    projected_energies(m.weight.detach(), q, self.s, self.half_space, self.backend).mean()
-                    for m in layers), 1.0)
-            self.projections[key] = p.detach()
+        with torch.enable_grad():
+            ps = [p.detach().requires_grad_(True) for p in self._drawn]
+            energies = self._compressed([self._projected(group, self._pack(group, detach=True), p)
+                                         for group, p in zip(self.groups, ps)])
+            objective = sum(e.sum() for e in energies) / self.num_proj
+            grads = torch.autograd.grad(objective, ps)
+        with torch.no_grad():
+            for g, grad in enumerate(grads):
+                p = self._drawn[g]
+                self._drawn[g] = self._step(p.unsqueeze(0), grad.unsqueeze(0), 1.0)[0] if p.dim() == 3 \
+                    else self._step(p, grad, 1.0)
 
-    # ------------------------------------------------------------------ energies
+    def before_step(self) -> None:
+        """Redraw the projections when due, fit (``"angle"``) or ascend (``"adversarial"``) them; count the call."""
+        super().before_step()
+        device = self.layers[0].weight.device
+        if self._compressed is not None:  # the constants of the penalty, on the device once
+            self._compressed.prepare(device)
+        for g, group in enumerate(self.groups):
+            group.packing.index.get(device)
+            if self.variant == "angle":
+                self._share_cache(g, group, device)
+        due = self.resample_every is not None and self.calls % self.resample_every == 0
+        if due or self._drawn is None:
+            self.resample()
+        if self.variant == "angle" and self.calls % self.ap_every == 0:
+            self._fit_angle()
+        if self.variant == "adversarial":
+            self._ascend()
+        self.calls += 1
+
+    # ------------------------------------------------------------------ the penalty (pure, batched)
+    def _pack(self, group: _Group, detach: bool = False, dtype: torch.dtype = torch.float64) -> Tensor:
+        rows = [self.hidden[i].weight.flatten(1) for i in group.layers]
+        return group.packing([r.detach() for r in rows] if detach else rows, dtype)  # (L, N, d)
+
+    @staticmethod
+    def _projected(group: _Group, x: Tensor, p: Tensor) -> Tensor:
+        """The projected sets of a group as Tensor[L * C, N, k] (layer-major)."""
+        return project(x, p).flatten(0, 1)
+
+    def _blocks(self, g: int, group: _Group) -> list[Tensor]:
+        x = self._pack(group)
+        if self.variant == "group":  # channel groups of a (C_in, k, k) neuron are consecutive coordinates
+            groups = group.neuron_shape[0] // self.group_size
+            return [x.unflatten(2, (groups, -1)).transpose(1, 2).flatten(0, 1)]  # (L * G, N, group_size * k * k)
+        p = self._drawn[2 * g if self.variant == "bilateral" else g]
+        if self.variant == "bilateral":
+            return [self._projected(group, x, p), self._drawn[2 * g + 1] @ x]  # (L, N, k), (L, r, d)
+        if self.variant == "angle" and self.unrolled:  # one unrolled step, a function of W (eq. 6.7)
+            p = self._unrolled(g, group, p)
+        return [self._projected(group, x, p)]
+
+    @property
+    def _dtype(self) -> torch.dtype:
+        """The weights' dtype: L_P (smooth in the cosines, no close-pair cancellation) is computed in it."""
+        return self.layers[0].weight.dtype
+
+    def _unrolled(self, g: int, group: _Group, p: Tensor) -> Tensor:
+        """P - step * grad_P L_P(W, P) per layer (Tensor[L, C, k, d], float64), a function of W (eq. 6.7)."""
+        x, p = self._pack(group, dtype=self._dtype), p.to(self._dtype)
+        grad = angle_distortion_grad(x, p, self._share_cache(g, group, x.device))  # (L, C, k, d)
+        return self._step(p.expand(len(group.layers), *p.shape) if p.dim() == 3 else p, grad, -1.0).to(torch.float64)
+
+    def _share_cache(self, g: int, group: _Group, device: torch.device) -> Tensor:
+        key = (g, device, self._dtype)
+        if key not in self._shares:
+            self._shares[key] = self._share(group, device).to(self._dtype)
+        return self._shares[key]
+
+    def penalty(self) -> Tensor:
+        """lambda_hidden * sum of the hidden layers' compressive energies + lambda_output * E_s(classifier)."""
+        if self._drawn is None:
+            self.resample()
+        total = super().penalty()  # the uncompressed layers and the classifier
+        if self._compressed is None or self.lambda_hidden == 0:
+            return total
+        points = [block for g, group in enumerate(self.groups) for block in self._blocks(g, group)]
+        energies = self._compressed(points)
+        per_layer = []
+        for g, group in enumerate(self.groups):
+            if self.variant == "bilateral":
+                per_layer.append(energies[2 * g] + energies[2 * g + 1])
+            else:
+                sets = energies[g].view(len(group.layers), -1)  # (L, C) or (L, groups)
+                per_layer.append(sets.amax(1) if self.variant == "random_max" else sets.mean(1))
+        hidden = torch.cat(per_layer).sum() if len(per_layer) > 1 else per_layer[0].sum()
+        return total + (self.lambda_hidden * hidden).to(total.dtype)
+
+    # ------------------------------------------------------------------ analysis
     def layer_energy(self, index: int) -> Tensor:
-        """The compressive energy of hidden layer ``index`` with the current projections."""
+        """The compressive energy of hidden layer ``index`` with the current projections, by the functional
+        references (one layer at a time: for analysis and tests; the penalty computes all layers batched)."""
+        if self._drawn is None:
+            self.resample()
         layer = self.hidden[index]
         w = layer.weight
         if not self.compressed(layer):
@@ -270,33 +344,31 @@ class CoMHE(Regularizer):
         if self.variant == "bilateral":
             return bilateral_energy(w, p[0], self.projections[("combine", index)], self.s, self.half_space,
                                     self.backend)
-        if self.variant == "angle" and self.unrolled:  # one unrolled step: a second-order path to W through L_P
-            with torch.enable_grad():
-                p = self._step(p.detach().requires_grad_(True), lambda q: angle_distortion(w, q), -1.0)
+        if self.variant == "angle" and self.unrolled:
+            x, p64 = w.flatten(1).to(torch.float64)[None], p.to(torch.float64)[None]
+            n = len(w)
+            share = pair_weights(PointSets(n, (n,), (False,)), "pair_mean", w.device)[0] / self.num_proj
+            p = self._step(p64, angle_distortion_grad(x, p64, share), -1.0)[0].to(w.dtype)
         energies = projected_energies(w, p, self.s, self.half_space, self.backend)
         return energies.amax() if self.variant == "random_max" else energies.mean()
-
-    def penalty(self) -> Tensor:
-        due = self.resample_every is not None and self.calls % self.resample_every == 0
-        if due or (self.calls == 0 and not self.projections):
-            self.resample()
-        if self.variant == "angle" and self.calls % self.ap_every == 0:
-            self._fit_angle()
-        if self.variant == "adversarial":
-            self._ascend()
-        self.calls += 1
-        total = self.layers[0].weight.new_zeros(())
-        if self.lambda_hidden > 0 and self.hidden:
-            total = total + self.lambda_hidden * sum(self.layer_energy(i) for i in range(len(self.hidden)))
-        if self.output is not None:  # classifier neurons: full-space MHE (§5.3.4)
-            total = total + self.lambda_output * hyperspherical_energy(self.output.weight, self.s, backend=self.backend)
-        return total
 
     def original_energy(self, s: float | None = None, half_space: bool | None = None) -> float:
         """The sum over hidden layers of the unprojected pair-mean energy (default: this regulariser's s and
         space; the thesis plots s = 1 half-space in Figs. 6.1 / E.2 and E_2 of eq. 6.1 in Fig. 6.2)."""
         return network_energy(self.hidden, self.s if s is None else s,
                               self.half_space if half_space is None else half_space)
+
+    def state_dict(self) -> dict:
+        """What a checkpoint needs to continue the same projections: calls, generator state, projections."""
+        return {"calls": self.calls, "generator": None if self._generator is None else self._generator.get_state(),
+                "drawn": None if self._drawn is None else [p.detach().cpu() for p in self._drawn]}
+
+    def load_state_dict(self, state: dict) -> None:
+        device = self.layers[0].weight.device
+        self.calls = state["calls"]
+        if state["generator"] is not None:
+            self._generator_on(device).set_state(state["generator"])
+        self._drawn = None if state["drawn"] is None else [p.to(device) for p in state["drawn"]]
 
     def __repr__(self) -> str:
         return (f"CoMHE(variant={self.variant!r}, proj_dim={self.proj_dim}, num_proj={self.num_proj}, s={self.s:g}, "

@@ -22,11 +22,11 @@ Methods (how R is made from the learnt ``raw``; :mod:`sphereml.orthogonalizers`)
 * ``or`` — raw is R, unconstrained, pulled towards orthogonality by :class:`OrthogonalRelaxation`
   (eq. 7.7); ``upt`` — raw is R with no constraint at all (the ablation of Table 7.1).
 
-``gs`` and ``householder`` run through one LAPACK QR call; ``unrolled=True`` runs the loops of the
-thesis's algorithms instead (same map, m sequential steps); ``mgs`` always runs its loop.  Variants: block-diagonal
-R with ``blocks=k`` (PE-OPT, eqs. F.33-F.34: ``shared=True`` for R_s, else R_u), a random subset of
-the d coordinates rotated at a time (S-OPT, ``subset=``; :class:`Resampler` merges and redraws it),
-unit-norm neurons (``normalize=True``, §7.3.7) and energy-minimised V (``refine=``, §7.3.7).
+``gs``, ``mgs`` and ``householder`` run through one LAPACK QR call; ``unrolled=True`` runs the loops of
+the thesis's algorithms instead (the same map in exact arithmetic, m sequential steps: the reference).
+Variants: block-diagonal R with ``blocks=k`` (PE-OPT, eqs. F.33-F.34: ``shared=True`` for R_s, else R_u),
+a random subset of the d coordinates rotated at a time (S-OPT, ``subset=``; :class:`Resampler` merges and
+redraws it), unit-norm neurons (``normalize=True``, §7.3.7) and energy-minimised V (``refine=``, §7.3.7).
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ class OrthogonalRotation(nn.Module):
             blocks (R_u, d^2/k). Default: False.
         subset (int, optional): S-OPT: rotate only this many randomly drawn coordinates (R of that
             size, started at the identity); see :func:`resample`. Default: None (all d).
-        unrolled (bool): ``gs`` / ``householder``: the unrolled loops instead of one QR. Default: False.
+        unrolled (bool): ``gs`` / ``mgs`` / ``householder``: the unrolled loops instead of one QR. Default: False.
         generator (torch.Generator, optional): draws the initial raw matrix and the subset.
         raw_std (float): standard deviation of the initial raw entries. Default: 1 (the thesis).
 
@@ -112,8 +112,8 @@ class OrthogonalRotation(nn.Module):
     def blocks_of_r(self) -> Tensor:
         """The orthogonal blocks, Tensor[count, m, m] (one when shared or S-OPT)."""
         raw, method = self.raw, self.method
-        if method in ("gs", "mgs"):
-            if self.unrolled or method == "mgs":
+        if method in ("gs", "mgs"):  # classic and modified Gram-Schmidt are one map: one QR unless unrolled
+            if self.unrolled:
                 return orth.gram_schmidt(raw, modified=method == "mgs")
             return orth.qr_orthogonalize(raw)
         if method == "householder":

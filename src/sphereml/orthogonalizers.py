@@ -30,6 +30,8 @@ Note [the sign of eq. 7.5]
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -37,7 +39,7 @@ from ._checks import integer, real_number
 from .geometry import max_abs_scale
 
 __all__ = ["check_square", "gram_schmidt", "householder", "qr_orthogonalize", "lowdin", "skew", "cayley", "exp_map",
-           "cayley_sgd_step", "orthogonality_error"]
+           "exp_map_fixed", "MAX_SQUARINGS", "cayley_sgd_step", "orthogonality_error"]
 
 _TINY = 1e-30  # a floor on squared norms: zero vectors give zeros, never NaN
 
@@ -186,13 +188,48 @@ def cayley(a: Tensor) -> Tensor:
     """
     check_square(a, "a")
     eye = torch.eye(a.shape[-1], dtype=a.dtype, device=a.device)
-    return torch.linalg.solve(eye - a, eye + a)
+    return torch.linalg.solve_ex(eye - a, eye + a)[0]  # I - A is never singular: no error check (a device sync)
+
+
+MAX_SQUARINGS = 16  # exp_map on a GPU: handles ||A||_1 up to 2^16 (random skew 1024 x 1024: about 1e3)
 
 
 def exp_map(a: Tensor) -> Tensor:
-    """exp(A) of a skew-symmetric ``a`` (§7.3.4); ``cayley(a / 2)`` approximates it to third order."""
+    """exp(A) of a skew-symmetric ``a`` (§7.3.4); ``cayley(a / 2)`` approximates it to third order.
+
+    On the CPU: ``torch.linalg.matrix_exp``.  Elsewhere :func:`exp_map_fixed`, because PyTorch's matrix_exp
+    reads the norm of A on the host to choose its degree and number of squarings (a device synchronisation
+    per call).
+    """
     check_square(a, "a")
-    return torch.linalg.matrix_exp(a)
+    return torch.linalg.matrix_exp(a) if a.device.type == "cpu" else exp_map_fixed(a)
+
+
+def exp_map_fixed(a: Tensor) -> Tensor:
+    """exp(A) by scaling and squaring with every decision on the device (Note [exp without host branches]).
+
+    Note [exp without host branches]
+        A / 2^j with j = max(0, ceil(log2 ||A||_1)) has 1-norm at most 1, where the degree-18 Taylor
+        polynomial is exact to float64 rounding (e / 19! < 2e-17); it is evaluated by Horner's rule in X^3
+        over blocks c_3q I + c_3q+1 X + c_3q+2 X^2 (8 products).  Then the result is squared
+        :data:`MAX_SQUARINGS` times, each squaring kept only while its index is below j (``torch.where``),
+        so shapes and launches never depend on A.  Cost: 8 + MAX_SQUARINGS products, about what matrix_exp
+        spends on a large norm; beyond ||A||_1 = 2^MAX_SQUARINGS the count is capped and the result inaccurate.
+    """
+    check_square(a, "a")
+    norm = torch.linalg.matrix_norm(a, ord=1)  # (...,)
+    squarings = torch.log2(norm.clamp_min(1.0)).ceil().clamp_max(MAX_SQUARINGS)  # j, on the device
+    x = a / torch.exp2(squarings)[..., None, None]
+    eye = torch.eye(a.shape[-1], dtype=a.dtype, device=a.device)
+    x2 = x @ x
+    x3 = x2 @ x
+    c = [1.0 / math.factorial(k) for k in range(21)] + [0.0, 0.0]
+    result = c[18] * eye + c[19] * x + c[20] * x2  # the last block (c_19, c_20 add less than rounding)
+    for q in range(5, -1, -1):
+        result = (c[3 * q] * eye + c[3 * q + 1] * x + c[3 * q + 2] * x2) + x3 @ result
+    for k in range(MAX_SQUARINGS):
+        result = torch.where((squarings > k)[..., None, None], result @ result, result)
+    return result
 
 
 def cayley_sgd_step(u: Tensor, direction: Tensor, lr: float, iterations: int | None = 2) -> tuple[Tensor, Tensor]:

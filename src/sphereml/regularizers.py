@@ -32,7 +32,8 @@ from torch import Tensor, nn
 
 from ._checks import integer, one_of, real_number
 from .convsim import conv_similarity
-from .energy import METRICS, hyperspherical_energy
+from .energy import BACKENDS, BATCHED_MAX, METRICS, hyperspherical_energy
+from .energy.batched import LayerEnergies
 
 __all__ = [
     "LAYER_KINDS", "output_layer", "select_layers", "Regularizer", "orthonormality_penalty", "Orthonormality",
@@ -88,7 +89,11 @@ def network_energy(layers: list[nn.Module], s: float = 2.0, half_space: bool = T
 class Regularizer:
     """Base class: ``__init__(model, ...)`` selects ``self.layers`` once; ``__call__()`` returns the penalty.
 
-    Subclasses implement :meth:`penalty` (the unweighted sum) and set ``self.beta`` (its weight).
+    Subclasses implement :meth:`penalty` (the unweighted sum) and set ``self.beta`` (its weight).  A
+    regulariser with state that changes from step to step (CoMHE's projections) updates it in
+    :meth:`before_step`, so that :meth:`penalty` is a pure function of the weights that
+    ``torch.compile(fullgraph=True)`` can trace; ``__call__`` runs both, and
+    :func:`~sphereml.train.fit` with ``compile=`` calls :meth:`before_step` eagerly and compiles the rest.
     """
 
     beta: float = 1.0
@@ -102,8 +107,16 @@ class Regularizer:
     def penalty(self) -> Tensor:
         raise NotImplementedError
 
-    def __call__(self) -> Tensor:
+    def before_step(self) -> None:
+        """Update per-step state (nothing here); called once per training step, before :meth:`penalty`."""
+
+    def weighted_penalty(self) -> Tensor:
+        """beta times :meth:`penalty`: what is added to the loss (no state update)."""
         return self.beta * self.penalty()
+
+    def __call__(self) -> Tensor:
+        self.before_step()
+        return self.weighted_penalty()
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(beta={self.beta:g}, layers={len(self.layers)})"
@@ -236,6 +249,11 @@ class MHE(Regularizer):
     uses the full-space energy (§5.3.4), ``half_space`` applies to hidden layers.  Layers with
     fewer than 2 neurons are skipped.
 
+    Every layer with at most :data:`~sphereml.energy.BATCHED_MAX` neurons is evaluated in one batched,
+    sync-free call (:class:`~sphereml.energy.batched.LayerEnergies`, Note [batched energy]); larger
+    layers, or an explicit ``backend``, go through :func:`~sphereml.energy.hyperspherical_energy` one
+    layer at a time.
+
     Args:
         model (nn.Module): the network; its layers are selected once, here.
         s, metric, backend: passed to :func:`~sphereml.energy.hyperspherical_energy`.
@@ -250,7 +268,7 @@ class MHE(Regularizer):
         self.lambda_output = real_number("lambda_output", lambda_output, at_least=0.0)
         self.metric = one_of("metric", metric, METRICS)
         self.s = real_number("s", s, at_least=0.0)
-        self.half_space, self.backend = bool(half_space), backend
+        self.half_space, self.backend = bool(half_space), one_of("backend", backend, BACKENDS)
         output = output_layer(model)
         self.hidden = [m for m in select_layers(model, LAYER_KINDS, include_output=False) if m.weight.shape[0] >= 2]
         use_output = output is not None and self.lambda_output > 0 and output.weight.shape[0] >= 2
@@ -258,9 +276,30 @@ class MHE(Regularizer):
         self.layers = self.hidden + ([self.output] if self.output is not None else [])
         if not self.layers:
             raise ValueError("the model has no layer with at least 2 neurons to regularise")
+        self._bind_energies()
+
+    def _terms(self) -> list[tuple[nn.Module, bool, float]]:
+        """(layer, half space, coefficient) of every energy in the penalty."""
+        terms = [(m, self.half_space, self.lambda_hidden) for m in self.hidden]
+        if self.output is not None:
+            terms.append((self.output, False, self.lambda_output))  # classifier neurons: full space (§5.3.4)
+        return terms
+
+    def _bind_energies(self) -> None:
+        """Split the terms into those of the batched evaluation and the rest (per layer)."""
+        terms = self._terms()
+        batched = self.backend in ("auto", "batched")
+        self._batched = [t for t in terms if batched and t[0].weight.shape[0] <= BATCHED_MAX]
+        self._single = [t for t in terms if t not in self._batched]
+        self._engine = None
+        if self._batched:
+            self._engine = LayerEnergies([m.weight.shape for m, _, _ in self._batched], self.s, self.metric,
+                                         [half for _, half, _ in self._batched],
+                                         coefficients=[c for _, _, c in self._batched])
 
     def _energy(self, layer: nn.Module, half_space: bool) -> Tensor:
-        return hyperspherical_energy(layer.weight, self.s, self.metric, half_space, backend=self.backend)
+        backend = "auto" if self.backend == "batched" else self.backend
+        return hyperspherical_energy(layer.weight, self.s, self.metric, half_space, backend=backend)
 
     def energies(self) -> dict[str, Tensor]:
         """The hidden-layer energies (a list in module order) and the output energy."""
@@ -275,13 +314,20 @@ class MHE(Regularizer):
             hidden = [float(self._energy(m, self.half_space)) for m in self.hidden]
         return sum(hidden) / max(len(hidden), 1)
 
+    def before_step(self) -> None:
+        """Put the batched evaluation's constants on the weights' device (once), outside any compiled graph."""
+        if self._engine is not None:
+            self._engine.prepare(self.layers[0].weight.device)
+
     def penalty(self) -> Tensor:
         weight = self.layers[0].weight
         total = weight.new_zeros(())
-        if self.lambda_hidden > 0 and self.hidden:
-            total = total + self.lambda_hidden * sum(self._energy(m, self.half_space) for m in self.hidden)
-        if self.output is not None:
-            total = total + self.lambda_output * self._energy(self.output, False)
+        if self._engine is not None:
+            batched = self._engine.total([m.weight for m, _, _ in self._batched])
+            total = total + batched.to(weight.dtype)
+        for layer, half, coefficient in self._single:
+            if coefficient > 0:
+                total = total + coefficient * self._energy(layer, half)
         return total
 
     def __repr__(self) -> str:

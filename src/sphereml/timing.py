@@ -150,14 +150,24 @@ def _status_bytes(key: str) -> int:
 
 
 def training_step(net: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, optimizer: torch.optim.Optimizer,
-                  regularizer: Callable[[], torch.Tensor] | None = None) -> Callable[[], None]:
+                  regularizer: Callable[[], torch.Tensor] | None = None, compile: bool = False) -> Callable[[], None]:
     """A candidate for :func:`compare`: one optimiser step of ``net`` on the batch (x, y), cross-entropy plus
-    ``regularizer()`` when given."""
+    ``regularizer()`` when given.  ``compile``: the loss and penalty through ``torch.compile`` (a
+    regulariser's ``before_step`` stays eager), as ``fit(compile=True)`` runs them."""
+    before = getattr(regularizer, "before_step", None)
+    penalty = getattr(regularizer, "weighted_penalty", regularizer)
+
+    def objective():
+        loss = torch.nn.functional.cross_entropy(net(x), y)
+        return loss + penalty() if penalty is not None else loss
+
+    objective = torch.compile(objective) if compile else objective
 
     def step():
         optimizer.zero_grad(set_to_none=True)
-        loss = torch.nn.functional.cross_entropy(net(x), y)
-        (loss + regularizer() if regularizer is not None else loss).backward()
+        if before is not None:
+            before()
+        objective().backward()
         optimizer.step()
 
     return step

@@ -89,11 +89,8 @@ class History:
 
 @dataclass
 class StepState:
-    """What a per-step callback sees after each optimiser step.
-
-    ``loss`` (a float) reads the step's loss from the device only when a callback asks for it, so
-    training on a GPU does not wait for every step's result.
-    """
+    """What a per-step callback sees after each optimiser step; ``loss`` (a float) reads the step's loss from the
+    device only when a callback asks for it, so training on a GPU does not wait for every step's result."""
 
     step: int
     epoch: int
@@ -107,11 +104,8 @@ class StepState:
 
 
 class Tracker:
-    """A callback that records ``(step, fn(state))`` every ``every`` steps (and at step 1 unless told not to).
-
-    ``tracker = Tracker(lambda state: state.loss, every=10)``; after ``fit(..., callbacks=[tracker])``
-    ``tracker.steps`` and ``tracker.values`` hold the curve.
-    """
+    """A callback that records ``(step, fn(state))`` every ``every`` steps (and at step 1 unless told not to):
+    after ``fit(..., callbacks=[tracker])`` ``tracker.steps`` and ``tracker.values`` hold the curve."""
 
     def __init__(self, fn: Callable[[StepState], float], every: int, include_first: bool = True):
         self.fn, self.every = fn, integer("every", every, at_least=1)
@@ -211,6 +205,7 @@ def fit(
     seed: int = 0,
     checkpoint: str | os.PathLike | None = None,
     progress: bool = True,
+    compile: bool | str = False,
 ) -> History:
     """Train ``model`` for ``epochs`` epochs and return its :class:`History`.
 
@@ -230,6 +225,9 @@ def fit(
         seed (int): seeds the data order and torch's generator. Default: 0.
         checkpoint (path, optional): save after every epoch and resume from it when present.
         progress (bool): show a tqdm progress bar (on stderr). Default: True.
+        compile (bool or str): ``torch.compile`` each step's loss and penalty: ``True``, or a mode such as
+            ``"reduce-overhead"`` (CUDA graphs).  A regulariser's ``before_step`` runs eagerly before it.
+            The first steps pay the compilation: worth it for long GPU runs. Default: False.
 
     Returns:
         History with one dict per epoch: epoch, train_loss, train_acc, reg, val_loss, val_acc, seconds.
@@ -247,6 +245,7 @@ def fit(
     if world is not None:
         distributed.broadcast_from_rank0(model, parameters=True)  # every rank starts from rank 0's weights
     trainable = [p for p in model.parameters() if p.requires_grad]
+    step_objective = _step_objective(model, loss_fn, regularizer, compile)
     opt = _make_optimizer(optimizer, trainable, lr, weight_decay, momentum)
     sched = scheduler(opt) if scheduler is not None else None
     history = History()
@@ -268,6 +267,8 @@ def fit(
             sched.load_state_dict(state["scheduler"])
         history = History(**state["history"])
         start_epoch = state["epoch"]
+        if state.get("regularizer") is not None and hasattr(regularizer, "load_state_dict"):
+            regularizer.load_state_dict(state["regularizer"])
         torch.set_rng_state(state["torch_rng"])
         if dev.type == "cuda" and state.get("cuda_rng") is not None:
             torch.cuda.set_rng_state(state["cuda_rng"], dev)
@@ -288,11 +289,12 @@ def fit(
             if world is not None:  # Note [data parallel fit]: this rank's share of the global batch
                 batch = tuple(t[world[0]::world[1]] for t in batch)
             x, y = _to_device(batch, dev)
+            if hasattr(regularizer, "before_step"):
+                regularizer.before_step()  # per-step state (CoMHE's projections), outside any compiled graph
             if len(y):
-                loss, logits = loss_fn(model, x, y)
+                loss, logits, reg = step_objective(x, y)
             else:  # more ranks than samples left in the last batch
-                loss, logits = x.new_zeros(()), None
-            reg = regularizer() if regularizer is not None else None
+                loss, logits, reg = x.new_zeros(()), None, _penalty(regularizer)
             if world is None:
                 objective = loss if reg is None else loss + reg
             else:
@@ -339,6 +341,7 @@ def fit(
                 "model": model.state_dict(), "optimizer": opt.state_dict(),
                 "scheduler": sched.state_dict() if sched is not None else None,
                 "history": history.to_dict(), "epoch": epoch + 1, "torch_rng": torch.get_rng_state(),
+                "regularizer": regularizer.state_dict() if hasattr(regularizer, "state_dict") else None,
                 "cuda_rng": torch.cuda.get_rng_state(dev) if dev.type == "cuda" else None,
                 "fingerprint": fingerprint,
             }, ckpt_path)
@@ -346,6 +349,28 @@ def fit(
             distributed.barrier()  # the checkpoint is complete before any rank could resume from it
     bar.close()
     return history
+
+
+def _penalty(regularizer) -> Tensor | None:
+    """A Regularizer's weighted penalty (its state stepped by ``before_step``), or a callable's value."""
+    if regularizer is None:
+        return None
+    return regularizer.weighted_penalty() if hasattr(regularizer, "weighted_penalty") else regularizer()
+
+
+COMPILE_MODES = (False, True, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+
+
+def _step_objective(model: nn.Module, loss_fn: LossFn, regularizer, compile) -> Callable:
+    """``(x, y) -> (loss, logits, penalty or None)`` of one step, compiled when asked (see :func:`fit`)."""
+    if compile not in COMPILE_MODES:
+        raise ValueError(f"compile must be one of {COMPILE_MODES}, got {compile!r}")
+
+    def objective(x: Tensor, y: Tensor):
+        return (*loss_fn(model, x, y), _penalty(regularizer))
+
+    return objective if compile is False else torch.compile(objective, mode=None if compile in (True, "default")
+                                                            else compile)
 
 
 @torch.no_grad()

@@ -35,8 +35,10 @@ import warnings
 import torch
 from torch import Tensor
 
-from .._checks import integer, labels as _check_labels, one_of, real_number
+from .._checks import integer, labels as _check_labels, one_of, real_number, values_readable
 from ..geometry import normalize
+from .batched import PointSets, pair_weights
+from .gram import gram_energies
 from .dense import dense_energy
 from .kernels import METRICS, pair_values, squared_distances
 from .sharded import sharded_energy
@@ -44,9 +46,13 @@ from .tiled import tiled_energy
 from .triton_backend import TRITON_DTYPES, matmul_precision, triton_energy, triton_importable, usable_on
 
 __all__ = ["hyperspherical_energy", "minibatch_energy", "sharded_energy", "energy_metric", "output_energy", "BACKENDS",
-           "METRICS"]
+           "BATCHED_MAX", "METRICS"]
 
-BACKENDS = ("auto", "dense", "tiled", "triton")
+BACKENDS = ("auto", "dense", "tiled", "triton", "batched")
+# Layers of at most this many neurons go to the batched, sync-free evaluation (Note [batched energy]) in the
+# regularisers, and single sets of at most this many points to backend "batched" under "auto" on CUDA: its
+# float64 Gram matrices and pair weights hold 8 N^2 bytes each (32 MiB at 2048).
+BATCHED_MAX = 2048
 # Above this many points (2N for half_space) ``auto`` leaves dense for tiled on the CPU.  Set from
 # benchmarks/results/energy_fwd_bwd-cpu.json, "crossover" (d = 256, s = 2, fwd + bwd, one thread): dense
 # is faster up to N = 64 (0.8 vs 0.9 ms), tiled from N = 128 on (1.2 vs 1.3 ms; 4096: 0.44 vs 1.71 s).
@@ -74,14 +80,9 @@ def _check_w(w: Tensor) -> Tensor:
         raise ValueError(f"the energy needs at least 2 neurons, got {len(w)}")
     if not torch.is_floating_point(w):
         raise ValueError(f"w must be a floating-point tensor, got {w.dtype}")
-    if _on_cpu_eager(w) and not bool(torch.isfinite(w).all()):
+    if values_readable(w) and not bool(torch.isfinite(w).all()):
         raise ValueError("w must have finite entries")
     return w
-
-
-def _on_cpu_eager(t: Tensor) -> bool:
-    """Value checks run only here: reading a GPU tensor would synchronise the device on every step."""
-    return t.device.type == "cpu" and not torch.compiler.is_compiling()
 
 
 def _points(w: Tensor, metric: str, half_space: bool, weights: Tensor | None) -> Tensor:
@@ -96,7 +97,7 @@ def _points(w: Tensor, metric: str, half_space: bool, weights: Tensor | None) ->
         weights = torch.as_tensor(weights, dtype=points.dtype, device=points.device)
         if weights.shape != (len(w),):
             raise ValueError(f"weights must be a Tensor[{len(w)}], got shape {tuple(weights.shape)}")
-        if _on_cpu_eager(weights) and not bool((torch.isfinite(weights) & (weights > 0)).all()):
+        if values_readable(weights) and not bool((torch.isfinite(weights) & (weights > 0)).all()):
             raise ValueError("weights must be positive and finite")
         points = weights[:, None] * points
     if half_space:
@@ -104,8 +105,9 @@ def _points(w: Tensor, metric: str, half_space: bool, weights: Tensor | None) ->
     return points
 
 
-def _backend_for(points: Tensor, metric: str, backend: str) -> str:
-    """The backend that computes ``points`` (Tensor[M, d]): explicit ones fail loudly, ``auto`` never drops float64."""
+def _backend_for(points: Tensor, m: int, metric: str, backend: str) -> str:
+    """The backend for ``m`` points like ``points`` (its device and dtype): explicit ones fail loudly, ``auto``
+    never drops float64."""
     global _warned_no_triton
     one_of("backend", backend, BACKENDS)
     if backend == "triton":
@@ -121,7 +123,6 @@ def _backend_for(points: Tensor, metric: str, backend: str) -> str:
         return "triton"
     if backend != "auto":
         return backend
-    m = len(points)
     if points.is_cuda and metric == "euclidean" and points.dtype in TRITON_DTYPES:
         if triton_importable():
             if m > TRITON_ABOVE and matmul_precision() != "ieee":
@@ -130,6 +131,8 @@ def _backend_for(points: Tensor, metric: str, backend: str) -> str:
             _warned_no_triton = True
             warnings.warn("backend='auto' on CUDA falls back to dense/tiled: the triton package is not importable",
                           stacklevel=3)
+    if points.is_cuda and m <= TILED_ABOVE_CUDA:
+        return "batched"  # dense's nonzero and boolean masks would synchronise the device (Note [batched energy])
     return "tiled" if m > (TILED_ABOVE_CUDA if points.is_cuda else TILED_ABOVE) else "dense"
 
 
@@ -144,8 +147,9 @@ def hyperspherical_energy(w: Tensor, s: float = 2.0, metric: str = "euclidean", 
         half_space (bool): add the virtual neurons -w_hat_i and average over the 2N (2N - 1)
             ordered pairs of the 2N points (eq. E.2). Default: False.
         weights (Tensor[N], optional): fixed beta_i > 0 of weighted MHE, points beta_i w_hat_i (eq. D.10).
-        backend (str): ``"auto"``, ``"dense"``, ``"tiled"`` or ``"triton"`` (float32 / half only).
-            Default: ``"auto"``.
+        backend (str): ``"auto"``, ``"dense"``, ``"tiled"``, ``"triton"`` (float32 / half only) or
+            ``"batched"`` (float64 Gram, no device synchronisation, Note [batched energy] in
+            :mod:`~sphereml.energy.batched`; not with ``weights``). Default: ``"auto"``.
         eps (float): floor on squared distances, in (0, 1), see Note [energy floor] in
             :mod:`~sphereml.energy.kernels`. Default: 1e-7.
 
@@ -154,13 +158,30 @@ def hyperspherical_energy(w: Tensor, s: float = 2.0, metric: str = "euclidean", 
     """
     s = _check_s(s)
     eps = real_number("eps", eps, above=0.0, below=1.0)
+    _check_w(w)
+    chosen = _backend_for(w, len(w) * (2 if half_space is True else 1), metric, backend)
+    if chosen == "batched" and weights is not None:
+        if backend == "batched":
+            raise ValueError("backend='batched' has no weights (weighted MHE, eq. D.10); use 'dense' or 'tiled'")
+        chosen = "dense"
+    if chosen == "batched":
+        one_of("metric", metric, METRICS)
+        if not isinstance(half_space, bool):
+            raise ValueError(f"half_space must be True or False, got {half_space!r}")
+        return _batched_energy(w.flatten(1), s, metric, half_space, eps).to(w.dtype)
     points = _points(w, metric, half_space, weights)
-    chosen = _backend_for(points, metric, backend)
     if chosen == "dense":
         return dense_energy(points, s, metric, eps)
     if chosen == "tiled":
         return tiled_energy(points, s, metric, eps)
     return triton_energy(points, s, eps)
+
+
+def _batched_energy(rows: Tensor, s: float, metric: str, half_space: bool, eps: float) -> Tensor:
+    """One set through the batched engine (Note [batched energy]): float64 Gram, no device synchronisation."""
+    minus, plus = pair_weights(PointSets(len(rows), (len(rows),), (half_space,)), "pair_mean", rows.device)
+    x = rows.to(torch.float64)  # (N, d)
+    return gram_energies((x @ x.T)[None], minus, plus if half_space else None, s, metric, eps)[0]
 
 
 def minibatch_energy(w: Tensor, batch: int, s: float = 2.0, metric: str = "euclidean",

@@ -1,0 +1,326 @@
+"""Many point sets' energies in one evaluation, with no host synchronisation: the engine of the regularisers.
+
+MHE, CoMHE and the measurements of chapters 6, 7 and 9 need the energy of every layer of a network at
+once, often at every training step.  Calling :func:`~sphereml.energy.hyperspherical_energy` once per
+layer (or per projection, or per channel group) costs tens of kernel launches and a few device
+synchronisations each (Note [close pairs] gathers close pairs with ``nonzero``); on a GPU that, not the
+arithmetic, is the time.  This module evaluates any number of point sets with a number of operations
+that depends only on how many distinct *shapes* they have.
+
+Note [batched energy]
+    (1) *Gram matrices in float64.*  Sets of equal dimension d are stacked into one Tensor[B, N, d]
+    (a set with n < N points is padded with zero rows) and one batched product gives their Gram
+    matrices G = X X^T, in float64 whatever the input dtype.  Normalisation comes after the product
+    and costs nothing extra: cos_ij = g_ij / (n_i n_j) with n_i = max(sqrt(g_ii), 1e-12), the floor of
+    :func:`~sphereml.geometry.normalize`.  In float64 the Gram estimate of a squared distance,
+    r^2 = S_i + S_j - 2 cos_ij (S_i = 1, or 0 for a zero row), carries an absolute error of a few
+    units of 2^-53 instead of float32's 2^-24, so a pair at the floor r^2 = eps = 1e-7 is resolved to
+    about 1e-8 relative: close pairs need no recomputation from differences, hence no ``nonzero``.
+    The products of float32 entries are exact in float64, and float64 squares neither overflow nor
+    underflow for entries between 1e-150 and 1e150, so no max-abs rescaling is needed either.
+    For float64 input the Gram estimate is less exact than the differences of
+    :mod:`~sphereml.energy.dense` (r^2 to about 1e-15 absolute rather than relative): within 1e-12
+    relative of it unless two neurons are closer than about 2 degrees (r^2 < 1e-3).
+    (2) *Half space without doubling.*  The virtual neurons -w_j of §5.3.4 are never built: the pair
+    (w_i, -w_j) has r^2 = S_i + S_j + 2 cos_ij, from the same Gram matrix, and contributes with (i, i)
+    included (the pair of a neuron and its own negative).  The 2n (2n - 1) ordered pairs of the 2n
+    points are 2 n (n - 1) of each sign plus 2 n antipodal ones.
+    (3) *One weighted sum.*  Gram matrices of equal size N are concatenated, and one chain of
+    element-wise operations evaluates every pair; a constant Tensor[B, N, N] gives each pair its share
+    of its set's energy (1 / (n (n - 1)) for a pair mean; 0 on the diagonal and on padding), so a
+    set's energy is one weighted sum and no boolean mask or data-dependent shape appears.
+    Floors (Note [energy floor]) act as in every backend: r^2 >= eps, and for the angular metric
+    theta = arccos(cos) with the cosine clamped to |cos| <= 1 - eps/2; in float64 the arccos of a close
+    pair loses no more than the Gram estimate does, so it needs no arcsine branch either.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+from .._checks import one_of, real_number
+from .gram import gram_energies
+from .kernels import METRICS
+
+__all__ = ["REDUCTIONS", "MERGE_WASTE", "MERGE_MAX", "buckets", "PointSets", "pair_weights", "SetEnergies", "LayerEnergies",
+           "RowPacking", "DeviceCache"]
+
+REDUCTIONS = ("pair_mean", "pair_sum")
+
+
+@dataclass(frozen=True)
+class PointSets:
+    """The static description of a block of point sets, Tensor[B, N, d] (Note [batched energy]).
+
+    Attributes:
+        rows (int): N, the padded number of points per set.
+        sizes (tuple[int]): n_b <= N, the real points of each of the B sets (rows n_b .. N-1 are zero).
+        half_space (tuple[bool]): per set, whether the virtual neurons -w_j join it (§5.3.4).
+    """
+
+    rows: int
+    sizes: tuple[int, ...]
+    half_space: tuple[bool, ...]
+
+    def __post_init__(self):
+        if len(self.sizes) != len(self.half_space):
+            raise ValueError(f"sizes and half_space must have one entry per set, got {len(self.sizes)} "
+                             f"and {len(self.half_space)}")
+        for n, half in zip(self.sizes, self.half_space):
+            if not 1 <= n <= self.rows or (n < 2 and not half):
+                raise ValueError(f"every set needs 2 <= n <= {self.rows} points (1 in half space), got {n}")
+
+
+def pair_weights(sets: PointSets, reduction: str, device: torch.device | None = None) -> tuple[Tensor, Tensor]:
+    """Each pair's share of its set's energy (float64): Tensor[B, N, N] for the pairs (w_i, w_j), i != j, and
+    Tensor[B, N, N] for the pairs (w_i, -w_j) of the half-space sets (zero for full-space sets)."""
+    shares, plus_shares = [], []
+    for n, half in zip(sets.sizes, sets.half_space):
+        points = 2 * n if half else n
+        share = 1.0 / (points * (points - 1)) if reduction == "pair_mean" else 1.0
+        copies = 2.0 if half else 1.0  # (w_i, w_j) and (-w_i, -w_j); (w_i, -w_j) and (-w_i, w_j)
+        shares.append(copies * share)
+        plus_shares.append(copies * share if half else 0.0)
+    index = torch.arange(sets.rows, device=device)
+    real = index < torch.tensor(sets.sizes, device=device)[:, None]  # (B, N): rows that are points
+    pairs = (real[:, :, None] & real[:, None, :]).to(torch.float64)  # (B, N, N)
+    distinct = (index[:, None] != index[None, :]).to(torch.float64)  # (N, N): i != j
+    share_of = torch.tensor(shares, dtype=torch.float64, device=device)[:, None, None]
+    plus_of = torch.tensor(plus_shares, dtype=torch.float64, device=device)[:, None, None]
+    return share_of * pairs * distinct, plus_of * pairs
+
+
+class SetEnergies:
+    """The energies of blocks of point sets (:class:`PointSets`), each call one batched evaluation.
+
+    Every block gets its Gram matrices from one batched product; blocks are then gathered into
+    *buckets* evaluated together, a block's Gram matrices zero-padded to its bucket's size N
+    (:func:`buckets`: as few buckets as keep the padded pairs within ``MERGE_WASTE`` times the real
+    ones; on a CPU, where copying is dear and launches cheap, a block above ``MERGE_MAX`` pairs stays
+    alone).  Built once from the static shapes; buckets and pair weights are made once per device
+    (:meth:`prepare`).
+
+    Args:
+        blocks (sequence of PointSets): the blocks, in the order :meth:`__call__` receives them.
+        s (float), metric (str), eps (float): as :func:`~sphereml.energy.hyperspherical_energy`.
+        reduction (str): ``"pair_mean"`` (eq. 5.4's mean over ordered pairs) or ``"pair_sum"`` (eq. 5.1's
+            sum). Default: ``"pair_mean"``.
+    """
+
+    def __init__(self, blocks: Sequence[PointSets], s: float = 2.0, metric: str = "euclidean", eps: float = 1e-7,
+                 reduction: str = "pair_mean"):
+        self.blocks = tuple(blocks)
+        if not self.blocks:
+            raise ValueError("blocks must describe at least one block of point sets")
+        self.s = real_number("s", s, at_least=0.0)
+        self.metric = one_of("metric", metric, METRICS)
+        self.eps = real_number("eps", eps, above=0.0, below=1.0)
+        self.reduction = one_of("reduction", reduction, REDUCTIONS)
+        self._weights: dict = {}  # device -> (buckets, one (minus, plus or None) per bucket)
+
+    def prepare(self, device: torch.device) -> tuple[list, list[tuple[Tensor, Tensor | None]]]:
+        """The buckets and pair weights for ``device`` (made there once; call it outside ``torch.compile``)."""
+        device = torch.device(device)
+        if device not in self._weights:
+            largest = MERGE_MAX if device.type == "cpu" else float("inf")
+            groups = buckets([(block.rows, len(block.sizes)) for block in self.blocks], largest=largest)
+            weights = []
+            for rows, members in groups:
+                parts = [pair_weights(_padded(self.blocks[i], rows), self.reduction, device) for i in members]
+                minus = torch.cat([m for m, _ in parts])
+                half = any(any(self.blocks[i].half_space) for i in members)
+                plus = torch.cat([p for _, p in parts]) if half else None
+                weights.append((minus, plus))
+            self._weights[device] = groups, weights
+        return self._weights[device]
+
+    def __call__(self, points: Sequence[Tensor]) -> list[Tensor]:
+        """Energies of every set.
+
+        Args:
+            points (sequence of Tensor[B, N, d]): one float64 tensor per block, as described by ``blocks``
+                (zero rows beyond each set's size).
+
+        Returns:
+            list of Tensor[B] (float64), one per block.
+        """
+        if len(points) != len(self.blocks):
+            raise ValueError(f"expected {len(self.blocks)} blocks of points, got {len(points)}")
+        out: list[Tensor | None] = [None] * len(self.blocks)
+        groups, weights = self.prepare(points[0].device)
+        for (minus, plus), (rows, members) in zip(weights, groups):
+            grams = [_pad_square(points[i] @ points[i].mT, rows) for i in members]  # (B_i, N, N) each
+            energies = gram_energies(grams[0] if len(grams) == 1 else torch.cat(grams), minus, plus, self.s,
+                                     self.metric, self.eps)
+            for i, part in zip(members, energies.split([len(self.blocks[i].sizes) for i in members])):
+                out[i] = part
+        return out
+
+
+MERGE_WASTE = 1.5  # buckets(): at most this many padded pairs per real pair, summed over the blocks
+
+
+MERGE_MAX = 2**22  # buckets(): a block with more pairs than this (32 MiB of float64) is evaluated alone
+
+
+def buckets(blocks: Sequence[tuple[int, int]], waste: float = MERGE_WASTE,
+            largest: float = MERGE_MAX) -> list[tuple[int, list[int]]]:
+    """Group blocks (rows N, sets B) into buckets of one size each: a list of (bucket size, block indices).
+
+    Sizes are taken largest first; a block joins the current (larger) bucket while the padded pairs
+    of everything assigned so far stay within ``waste`` times the real pairs, else it opens a bucket
+    of its own size.  Fewer buckets mean fewer operations per step (one chain of element-wise
+    operations each); the bound keeps the padding's extra arithmetic small on a CPU.  A block of more
+    than ``largest`` pairs stays alone: copying it into a bucket would cost more than the launches saved.
+    """
+    out: list[tuple[int, list[int]]] = []
+    real = padded = 0
+    current = None  # the bucket that smaller blocks may join
+    for index in sorted(range(len(blocks)), key=lambda i: -blocks[i][0]):
+        rows, sets = blocks[index]
+        pairs = sets * rows * rows
+        if pairs > largest:
+            out.append((rows, [index]))
+            continue
+        real += pairs
+        if current is not None and padded + sets * current[0] ** 2 <= waste * real:
+            padded += sets * current[0] ** 2
+            current[1].append(index)
+        else:
+            padded += pairs
+            current = (rows, [index])
+            out.append(current)
+    return [(rows, sorted(members)) for rows, members in out]
+
+
+def _padded(sets: PointSets, rows: int) -> PointSets:
+    return PointSets(rows, sets.sizes, sets.half_space)
+
+
+def _pad_square(gram: Tensor, rows: int) -> Tensor:
+    """Tensor[B, n, n] zero-padded to Tensor[B, rows, rows] (padding rows are zero points)."""
+    extra = rows - gram.shape[-1]
+    return torch.nn.functional.pad(gram, (0, extra, 0, extra)) if extra else gram
+
+
+def _as_rows(w: Tensor) -> Tensor:
+    return w.flatten(1)  # (n, d): one neuron per row
+
+
+class LayerEnergies:
+    """The energy of each of a fixed list of weights (one neuron per row), in one sync-free evaluation.
+
+    Weights with equal fan-in d are packed into one Tensor[L, N, d] (float64, zero rows padding the
+    layers with fewer than N neurons): one packed block per fan-in, evaluated by :class:`SetEnergies`.
+    This is what MHE evaluates at every step and what the chapters measure on trained networks.
+
+    Args:
+        shapes (sequence of torch.Size): the weights' shapes (Tensor[n >= 2, ...]; n >= 1 in half space).
+        s, metric, eps, reduction: as :class:`SetEnergies`.
+        half_space (bool or sequence of bool): per weight, or one for all. Default: False.
+        coefficients (sequence of float, optional): c_l of :meth:`total`. Default: all 1.
+    """
+
+    def __init__(self, shapes: Sequence[torch.Size], s: float = 2.0, metric: str = "euclidean",
+                 half_space: bool | Sequence[bool] = False, eps: float = 1e-7, reduction: str = "pair_mean",
+                 coefficients: Sequence[float] | None = None):
+        shapes = [torch.Size(shape) for shape in shapes]
+        if not shapes or any(len(shape) < 2 for shape in shapes):
+            raise ValueError(f"shapes must list weights Tensor[n, ...] with one neuron per row, got {shapes}")
+        halves = [half_space] * len(shapes) if isinstance(half_space, bool) else [bool(h) for h in half_space]
+        if len(halves) != len(shapes):
+            raise ValueError(f"half_space must be a bool or one per weight, got {len(halves)} for {len(shapes)}")
+        self.shapes = shapes
+        self.groups: dict[int, list[int]] = {}  # fan-in d -> the weights that have it, in order
+        for index, shape in enumerate(shapes):
+            self.groups.setdefault(shape[1:].numel(), []).append(index)
+        blocks, order = [], []
+        for members in self.groups.values():
+            sizes = tuple(shapes[i][0] for i in members)
+            blocks.append(PointSets(max(sizes), sizes, tuple(halves[i] for i in members)))
+            order += members
+        self.engine = SetEnergies(blocks, s, metric, eps, reduction)
+        self.packing = [RowPacking(block.sizes) for block in blocks]
+        self._order = DeviceCache(torch.tensor(order).argsort())  # from packed order back to the weights' order
+        coefficients = [1.0] * len(shapes) if coefficients is None else [float(c) for c in coefficients]
+        if len(coefficients) != len(shapes):
+            raise ValueError(f"coefficients must give one number per weight ({len(shapes)}), got {len(coefficients)}")
+        self._coefficients = DeviceCache(torch.tensor(coefficients, dtype=torch.float64)[order])  # packed order
+
+    def pack(self, weights: Sequence[Tensor]) -> list[Tensor]:
+        """The weights of each fan-in group as one float64 Tensor[L, N, d], zero rows padding short layers."""
+        return [packing([_as_rows(weights[i]) for i in members])
+                for members, packing in zip(self.groups.values(), self.packing)]
+
+    def prepare(self, device: torch.device) -> None:
+        """Move the constants to ``device`` once (outside ``torch.compile``; :meth:`__call__` does it otherwise)."""
+        self.engine.prepare(device)
+        self._order.get(device)
+        self._coefficients.get(device)
+        for packing in self.packing:
+            packing.index.get(device)
+
+    def _packed(self, weights: Sequence[Tensor]) -> Tensor:
+        if [w.shape for w in weights] != self.shapes:
+            raise ValueError(f"weights must have the shapes {self.shapes}, got {[tuple(w.shape) for w in weights]}")
+        return torch.cat(self.engine(self.pack(weights)))  # (L,) in packed order
+
+    def __call__(self, weights: Sequence[Tensor]) -> Tensor:
+        """Tensor[L] (float64): the energy of each weight, in the order of ``shapes``."""
+        energies = self._packed(weights)
+        return energies.index_select(0, self._order.get(energies.device)) if len(self.groups) > 1 else energies
+
+    def total(self, weights: Sequence[Tensor]) -> Tensor:
+        """sum_l c_l E_l with the ``coefficients`` given at construction, as a 0-dim float64 Tensor."""
+        energies = self._packed(weights)
+        return (energies * self._coefficients.get(energies.device)).sum()
+
+
+class DeviceCache:
+    """A constant made on the CPU and copied to each device once (a copy per step would block the host)."""
+
+    def __init__(self, value: Tensor | None):
+        self.value = value
+        self._copies: dict = {}
+
+    def get(self, device: torch.device) -> Tensor | None:
+        if self.value is None:
+            return None
+        device = torch.device(device)
+        if device not in self._copies:
+            self._copies[device] = self.value.to(device)
+        return self._copies[device]
+
+
+class RowPacking:
+    """Stacks L row matrices Tensor[n_l, d] into one Tensor[L, N = max n_l, d], zero rows padding.
+
+    Equal sizes are a plain stack; otherwise the rows are concatenated with one zero row and gathered by
+    a constant index (two operations, whatever L).  The result is float64 (the energies' Gram
+    matrices) unless ``dtype`` says otherwise.
+    """
+
+    def __init__(self, sizes: Sequence[int]):
+        self.sizes, self.rows = tuple(sizes), max(sizes)
+        index = None
+        if any(n != self.rows for n in sizes):
+            zero, start, rows = sum(sizes), 0, []
+            for n in sizes:
+                rows += list(range(start, start + n)) + [zero] * (self.rows - n)
+                start += n
+            index = torch.tensor(rows)
+        self.index = DeviceCache(index)
+
+    def __call__(self, rows: Sequence[Tensor], dtype: torch.dtype = torch.float64) -> Tensor:
+        first = rows[0]
+        if len(rows) == 1:
+            return first.to(dtype).unsqueeze(0)
+        index = self.index.get(first.device)
+        if index is None:
+            return torch.stack(list(rows)).to(dtype)
+        flat = torch.cat([*rows, first.new_zeros(1, first.shape[1])])  # (sum n_l + 1, d)
+        return flat.to(dtype).index_select(0, index).unflatten(0, (len(rows), self.rows))

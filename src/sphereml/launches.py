@@ -1,0 +1,129 @@
+"""What a training step asks of the device, counted and checked on the CPU: operations and host reads.
+
+On a GPU a small layer's time is set by launches and synchronisations, not by arithmetic: each
+aten operation is about one kernel launch (~5-30 µs), and each read of a device tensor on the host
+(``.item()``, ``bool(t)``, ``nonzero``, a boolean mask) stalls the host until the device has caught up.
+Both can be seen without a GPU, at the level of PyTorch's dispatcher, which is what the tests and
+benchmarks use this module for:
+
+* :func:`count_ops` runs a function and counts the aten operations it dispatches (views, which launch
+  nothing, apart), so a test can hold a training step to an operation budget;
+* :func:`no_host_sync` is a context in which any operation that needs a tensor's values on the host raises
+  :class:`HostSyncError`, so a test can prove that a step never synchronises.  On CUDA, pair it with
+  ``torch.cuda.set_sync_debug_mode("error")``, which catches the rest (device-to-host copies).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+__all__ = ["OpCount", "count_ops", "HostSyncError", "no_host_sync", "checking_host_reads", "HOST_READS"]
+
+# Operations whose result the host can only know by reading device memory (or whose output shape
+# depends on tensor values, which is the same thing for the host).
+HOST_READS = frozenset({
+    "aten::_local_scalar_dense",  # .item(), bool(t), int(t), float(t)
+    "aten::nonzero", "aten::masked_select", "aten::unique_dim", "aten::_unique", "aten::_unique2",
+    "aten::unique_consecutive", "aten::equal", "aten::is_nonzero", "aten::allclose",
+})
+
+
+@dataclass
+class OpCount:
+    """The aten operations dispatched by one call: ``total`` (launching operations) and ``by_op``."""
+
+    total: int = 0
+    views: int = 0
+    by_op: Counter = field(default_factory=Counter)
+
+    def most_common(self, k: int = 8) -> list[tuple[str, int]]:
+        return self.by_op.most_common(k)
+
+
+class _Counter(TorchDispatchMode):
+    def __init__(self, count: "OpCount"):
+        super().__init__()
+        self.count = count
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.is_view:
+            self.count.views += 1
+        else:
+            self.count.total += 1
+            self.count.by_op[func.name()] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def count_ops(fn: Callable[[], object]) -> OpCount:
+    """Call ``fn()`` once and count the aten operations it dispatches (forward, backward and optimiser).
+
+    View operations (``view``, ``transpose``, ``detach``, ...) move no data and launch no kernel; they are
+    counted apart in ``views``.  Each of the others is about one kernel launch on a GPU.
+    """
+    count = OpCount()
+    with _Counter(count):
+        fn()
+    return count
+
+
+class HostSyncError(RuntimeError):
+    """An operation read tensor values on the host inside :func:`no_host_sync`."""
+
+
+def _is_boolean_index(func, args) -> bool:
+    if func.name() not in ("aten::index.Tensor", "aten::index_put_", "aten::index_put", "aten::_index_put_impl_"):
+        return False
+    indices = args[1] if len(args) > 1 else ()
+    return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in indices)
+
+
+class _Guard(TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.name()
+        if name in HOST_READS or _is_boolean_index(func, args):
+            raise HostSyncError(f"{name} reads tensor values on the host (a device synchronisation on a GPU)")
+        return func(*args, **(kwargs or {}))
+
+
+_guards = 0  # how many no_host_sync blocks are open
+
+
+def checking_host_reads() -> bool:
+    """True inside :func:`no_host_sync`: argument checks that read values of CPU tensors only (never of GPU
+    tensors) skip them, so the block runs the code path a GPU would."""
+    return _guards > 0
+
+
+@contextlib.contextmanager
+def no_host_sync() -> Iterator[None]:
+    """Raise :class:`HostSyncError` on any host read of tensor data inside the block.
+
+    Caught: ``item`` / ``bool`` / ``int`` / ``float`` of a tensor, ``nonzero``, ``masked_select``, ``unique``,
+    boolean-mask indexing and assignment, ``equal`` / ``allclose``, and the Python-level ``tolist``,
+    ``numpy`` and ``cpu``, which bypass the dispatcher.  Value checks that the library runs on CPU tensors
+    only (:func:`checking_host_reads`) are skipped, as they are for GPU tensors.
+    """
+    global _guards
+    patched = {name: getattr(torch.Tensor, name) for name in ("tolist", "numpy", "cpu")}
+
+    def refuse(name):
+        def method(*args, **kwargs):
+            raise HostSyncError(f"Tensor.{name}() copies tensor data to the host")
+        return method
+
+    try:
+        _guards += 1
+        for name in patched:
+            setattr(torch.Tensor, name, refuse(name))
+        with _Guard():
+            yield
+    finally:
+        _guards -= 1
+        for name, method in patched.items():
+            setattr(torch.Tensor, name, method)

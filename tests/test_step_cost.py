@@ -1,0 +1,239 @@
+"""What a training step costs a GPU, proven on the CPU: operation budgets, no host reads, one compiled graph.
+
+Each aten operation is about one kernel launch on a GPU, and each host read of a device tensor a
+synchronisation (:mod:`sphereml.launches`).  The budgets are for the thesis's CNN-9 (64/128/256, Table E.1)
+and the OPT chapter's CNN-6 (Table F.1); the measured counts are in the benchmark files
+(``python -m benchmarks comhe opt`` prints them beside the timings).
+"""
+
+import pytest
+import torch
+
+from sphereml import margins, models, opt
+from sphereml import regularizers as R
+from sphereml.comhe import VARIANTS, CoMHE
+from sphereml.decoupled import DecoupledConv2d
+from sphereml.energy import batched, gram
+from sphereml.launches import HostSyncError, count_ops, no_host_sync
+from sphereml.scs import SharpenedCosineSimilarity2d
+from sphereml.sphereconv import SphereConv2d
+
+
+@pytest.fixture(autouse=True)
+def as_on_a_gpu(monkeypatch):
+    """Energies evaluated as on a GPU: one chunk per evaluation, and large blocks merged into buckets (the CPU's
+    cache-sized chunks and unmerged large blocks add launches that a GPU never sees)."""
+    monkeypatch.setattr(gram, "CPU_CHUNK", 2**62)
+    monkeypatch.setattr(batched, "MERGE_MAX", 2**62)
+
+
+def _cnn9(depth=9, widths=(64, 128, 256)):
+    torch.manual_seed(0)
+    return models.Classifier(models.plain_cnn(depth, widths=widths, feature_dim=256), 100)
+
+
+def _step(net, reg=None, optimizer=None, batch=2, classes=100):
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(batch, 3, 32, 32, generator=g), torch.randint(0, classes, (batch,), generator=g)
+    optimizer = optimizer or torch.optim.SGD(net.parameters(), 0.1, momentum=0.9, foreach=True)
+
+    def step():
+        optimizer.zero_grad(set_to_none=True)
+        loss = torch.nn.functional.cross_entropy(net(x), y)
+        (loss + reg() if reg is not None else loss).backward()
+        optimizer.step()
+
+    step()  # the first step creates the optimiser's state and the regulariser's device constants
+    return step
+
+
+REGULARIZERS = {
+    "HS-MHE": lambda net: R.MHE(net, half_space=True),
+    "MHE": lambda net: R.MHE(net),
+    "MHE angular": lambda net: R.MHE(net, metric="angular"),
+    "RP-CoMHE": lambda net: CoMHE(net),
+    "RP-CoMHE (max)": lambda net: CoMHE(net, variant="random_max"),
+    "AP-CoMHE (unrolled)": lambda net: CoMHE(net, variant="angle", num_proj=1, resample_every=None),
+    "AP-CoMHE (alt.)": lambda net: CoMHE(net, variant="angle", num_proj=1, unrolled=False, ap_every=1),
+    "Adv-CoMHE": lambda net: CoMHE(net, variant="adversarial", num_proj=1),
+    "G-CoMHE": lambda net: CoMHE(net, variant="group"),
+    "BP-CoMHE": lambda net: CoMHE(net, variant="bilateral", num_proj=1),
+}
+# Launching operations of one CNN-9 step (forward, backward, SGD) with each regulariser; the plain step
+# has about 100.  Measured: HS-MHE 312, RP-CoMHE 356, AP-CoMHE 830, G-CoMHE 342 (one per-layer op
+# each was 28 / 141 / 69 / 1,950 host syncs and 1,138-66,361 operations before the batched engine).
+BUDGETS = {"HS-MHE": 400, "MHE": 400, "MHE angular": 400, "RP-CoMHE": 1300, "RP-CoMHE (max)": 1300,
+           "AP-CoMHE (unrolled)": 1300, "AP-CoMHE (alt.)": 1300, "Adv-CoMHE": 1300, "G-CoMHE": 1300,
+           "BP-CoMHE": 1300}
+
+
+@pytest.mark.parametrize("name", list(REGULARIZERS))
+def test_regularised_cnn9_step_within_its_operation_budget(name):
+    net = _cnn9()
+    ops = count_ops(_step(net, REGULARIZERS[name](net))).total
+    assert ops <= BUDGETS[name], f"{name}: {ops} operations per step"
+
+
+def test_group_comhe_costs_no_more_launches_than_random_projections():
+    counts = {}
+    for name in ("RP-CoMHE", "G-CoMHE"):
+        net = _cnn9()
+        counts[name] = count_ops(_step(net, REGULARIZERS[name](net))).total
+    assert counts["G-CoMHE"] <= counts["RP-CoMHE"]
+
+
+@pytest.mark.parametrize("name", ["HS-MHE", "RP-CoMHE", "G-CoMHE"])
+def test_operations_do_not_grow_with_layers(name):
+    """CNN-18 has nine more weight layers than CNN-9, all of fan-ins CNN-9 already has: the regulariser's
+    own operations stay the same; only the sum of two gradients into each new weight is added."""
+    extra = {}
+    for depth in (9, 18):
+        plain, net = _cnn9(depth), _cnn9(depth)
+        extra[depth] = count_ops(_step(net, REGULARIZERS[name](net))).total - count_ops(_step(plain)).total
+    assert extra[18] - extra[9] <= 9, extra
+
+
+def test_operations_do_not_grow_with_projections():
+    """(One projection can take fewer: its sets may fit a bucket of their own size without padding.)"""
+    counts = []
+    for num_proj in (1, 5, 20):
+        net = _cnn9()
+        counts.append(count_ops(_step(net, CoMHE(net, num_proj=num_proj))).total)
+    assert counts[0] <= counts[1] == counts[2]
+
+
+def test_opt_gs_cnn6_step_within_budget():
+    torch.manual_seed(0)
+    net = models.Classifier(models.opt_cnn(6, width=64), 100)
+    opt.overparameterize_model(net, "gs")
+    assert count_ops(_step(net)).total <= 2000
+
+
+# ---------------------------------------------------------------- no host reads
+
+
+def _small_net():
+    torch.manual_seed(0)
+    return models.Classifier(models.plain_cnn(9, widths=(8, 16, 16), feature_dim=16), 10)
+
+
+def _opt_case(method):
+    net = _small_net()
+    opt.overparameterize_model(net, method)
+    optimizer = opt.ogd_optimizer(net) if method == "ogd" else None
+    return _step(net, opt.OrthogonalRelaxation(net) if method == "or" else None, optimizer, classes=10)
+
+
+def _layer_case(make):
+    layer = make()
+    x = torch.randn(2, 8, 8, 8, generator=torch.Generator().manual_seed(0))
+    sgd = torch.optim.SGD(layer.parameters(), 0.1)
+
+    def step():
+        sgd.zero_grad()
+        layer(x).square().mean().backward()
+        sgd.step()
+    return step
+
+
+def _head_case(head):
+    torch.manual_seed(0)
+    net = models.Classifier(models.plain_cnn(3, widths=(8, 8, 8), feature_dim=16, feature_act=False), 10,
+                            head=head(16, 10))
+    x, y = torch.randn(4, 3, 32, 32), torch.randint(0, 10, (4,))
+    sgd = torch.optim.SGD(net.parameters(), 0.1)
+
+    def step():
+        sgd.zero_grad()
+        net.loss_and_logits(x, y)[0].backward()
+        sgd.step()
+    return step
+
+
+SYNC_FREE = {
+    **{f"CoMHE {v}": (lambda v=v: (lambda n: _step(n, CoMHE(n, variant=v, proj_dim=8, num_proj=2, group_size=4,
+                                                                  ap_every=1), classes=10))(_small_net()))
+       for v in VARIANTS},
+    **{f"MHE {k}": (lambda kw=kw: (lambda n: _step(n, R.MHE(n, **kw), classes=10))(_small_net()))
+       for k, kw in {"full": {}, "half": {"half_space": True}, "angular": {"metric": "angular"}}.items()},
+    "Orthonormality": lambda: (lambda n: _step(n, R.Orthonormality(n, include_linear=True), classes=10))(_small_net()),
+    "Orthogonality": lambda: (lambda n: _step(n, R.Orthogonality(n), classes=10))(_small_net()),
+    "ConvSimilarity": lambda: (lambda n: _step(n, R.ConvSimilarity(n), classes=10))(_small_net()),
+    **{f"OPT {m}": (lambda m=m: _opt_case(m)) for m in opt.METHODS},
+    "SphereConv2d": lambda: _layer_case(lambda: SphereConv2d(8, 8, 3, padding=1, angular="sigmoid")),
+    "SharpenedCosineSimilarity2d": lambda: _layer_case(lambda: SharpenedCosineSimilarity2d(8, 8, 3, padding=1)),
+    "DecoupledConv2d": lambda: _layer_case(lambda: DecoupledConv2d(8, 8, 3, padding=1)),
+    **{name: (lambda h=getattr(margins, name): _head_case(h))
+       for name in ("NormalizedSoftmaxLoss", "LSoftmaxLoss", "ASoftmaxLoss", "CosFaceLoss", "ArcFaceLoss",
+                    "GASoftmaxLoss", "WSoftmaxLoss")},
+}
+
+
+@pytest.mark.parametrize("name", list(SYNC_FREE))
+def test_training_step_reads_nothing_on_the_host(name):
+    step = SYNC_FREE[name]()
+    with no_host_sync():
+        step()
+        step()
+
+
+def test_the_guard_catches_each_kind_of_host_read():
+    t = torch.randn(5)
+    reads = [lambda: t.sum().item(), lambda: bool(t.sum() > 0), lambda: float(t[0]), lambda: t.nonzero(),
+             lambda: t[t > 0], lambda: t.tolist(), lambda: t.cpu(), lambda: t.masked_select(t > 0),
+             lambda: t.unique(), lambda: torch.equal(t, t)]
+    for read in reads:
+        with pytest.raises(HostSyncError), no_host_sync():
+            read()
+    with no_host_sync():
+        torch.where(t > 0, t, 0.0).sum()  # masks kept on the device are fine
+    assert t.tolist()  # restored afterwards
+
+
+def test_count_ops_counts_launches_and_views_apart():
+    t = torch.randn(4, 4)
+    count = count_ops(lambda: (t.T @ t).relu().sum())
+    assert count.total == 3 and count.views == 1
+    assert dict(count.most_common()) == {"aten::mm": 1, "aten::relu": 1, "aten::sum": 1}
+
+
+# ---------------------------------------------------------------- one compiled graph
+
+
+COMPILED = {
+    **{name: REGULARIZERS[name] for name in ("HS-MHE", "MHE angular", "RP-CoMHE", "RP-CoMHE (max)",
+                                             "AP-CoMHE (unrolled)", "Adv-CoMHE", "G-CoMHE", "BP-CoMHE")},
+    "AP-CoMHE (alt.)": lambda net: CoMHE(net, variant="angle", num_proj=1, unrolled=False, ap_every=1),
+    "Orthonormality": lambda net: R.Orthonormality(net, include_linear=True),
+    "Orthogonality": R.Orthogonality,
+    "ConvSimilarity": lambda net: R.ConvSimilarity(net, method="direct"),
+}
+
+
+@pytest.mark.parametrize("name", list(COMPILED))
+def test_penalty_compiles_as_one_graph_without_recompiling(name):
+    torch._dynamo.reset()
+    net = models.Classifier(models.plain_cnn(9, widths=(8, 16, 16), feature_dim=16), 10)
+    reg = COMPILED[name](net)
+    compiled = torch.compile(reg.weighted_penalty, fullgraph=True, backend="aot_eager")
+    values = []
+    for step in range(3):
+        reg.before_step()  # new projections, fitted or ascended P: eager, outside the graph
+        with torch._dynamo.config.patch(error_on_recompile=step > 0):
+            value = compiled()
+        value.backward()
+        torch.testing.assert_close(value, reg.weighted_penalty(), rtol=1e-5, atol=0)
+        values.append(value.detach())
+    assert all(v.isfinite() for v in values)
+
+
+@pytest.mark.parametrize("method", ["gs", "householder", "cayley", "matrix_exp", "or"])
+def test_opt_layer_compiles_as_one_graph(method):
+    torch._dynamo.reset()
+    layer = torch.nn.Conv2d(4, 6, 3)
+    opt.orthogonal_overparameterize(layer, method)
+    x = torch.randn(2, 4, 8, 8)
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    out = compiled(x)
+    out.square().sum().backward()
+    torch.testing.assert_close(out, layer(x), rtol=1e-5, atol=1e-6)
