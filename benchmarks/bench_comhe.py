@@ -10,6 +10,7 @@ counted too (about one kernel launch each on a GPU); on CUDA every candidate als
 
 from __future__ import annotations
 
+import os
 import sys
 
 import torch
@@ -31,10 +32,12 @@ REGULARIZERS = {
 
 def run(device: torch.device, batch: int = 128, widths: tuple[int, int, int] = (64, 128, 256), repeats: int = 3,
         names: tuple[str, ...] = tuple(REGULARIZERS), compiled: bool | None = None) -> dict:
-    """``compiled`` (default: on CUDA): also every candidate with its loss and penalty compiled."""
+    """``compiled`` (default: on CUDA, unless SPHEREML_BENCH_COMPILE=0): also every candidate with its loss and
+    penalty compiled (``torch.compile``, default mode; the compilation is paid in the warm-up calls)."""
     if SMOKE:
         batch, widths, names = 2, (4, 8, 8), names[:2]
-    compiled = device.type == "cuda" if compiled is None else compiled
+    if compiled is None:
+        compiled = device.type == "cuda" and os.environ.get("SPHEREML_BENCH_COMPILE", "1") == "1"
     g = torch.Generator().manual_seed(0)
     x = torch.randn(batch, 3, 32, 32, generator=g).to(device)
     y = torch.randint(0, 100, (batch,), generator=g).to(device)

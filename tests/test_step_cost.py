@@ -34,7 +34,9 @@ def _cnn9(depth=9, widths=(64, 128, 256)):
 
 def _step(net, reg=None, optimizer=None, batch=2, classes=100):
     g = torch.Generator().manual_seed(0)
+    device = next(net.parameters()).device
     x, y = torch.randn(batch, 3, 32, 32, generator=g), torch.randint(0, classes, (batch,), generator=g)
+    x, y = x.to(device), y.to(device)
     optimizer = optimizer or torch.optim.SGD(net.parameters(), 0.1, momentum=0.9, foreach=True)
 
     def step():
@@ -112,58 +114,65 @@ def test_opt_gs_cnn6_step_within_budget():
 # ---------------------------------------------------------------- no host reads
 
 
-def _small_net():
+def _small_net(device="cpu"):
     torch.manual_seed(0)
-    return models.Classifier(models.plain_cnn(9, widths=(8, 16, 16), feature_dim=16), 10)
+    return models.Classifier(models.plain_cnn(9, widths=(8, 16, 16), feature_dim=16), 10).to(device)
 
 
-def _opt_case(method):
+def _regularised(make, device):
+    net = _small_net(device)
+    return _step(net, make(net), classes=10)
+
+
+def _opt_case(method, device):
     net = _small_net()
     opt.overparameterize_model(net, method)
+    net.to(device)
     optimizer = opt.ogd_optimizer(net) if method == "ogd" else None
     return _step(net, opt.OrthogonalRelaxation(net) if method == "or" else None, optimizer, classes=10)
 
 
-def _layer_case(make):
-    layer = make()
-    x = torch.randn(2, 8, 8, 8, generator=torch.Generator().manual_seed(0))
+def _layer_case(make, device):
+    layer = make().to(device)
+    x = torch.randn(2, 8, 8, 8, generator=torch.Generator().manual_seed(0)).to(device)
     sgd = torch.optim.SGD(layer.parameters(), 0.1)
 
     def step():
         sgd.zero_grad()
         layer(x).square().mean().backward()
         sgd.step()
+    step()
     return step
 
 
-def _head_case(head):
+def _head_case(head, device):
     torch.manual_seed(0)
     net = models.Classifier(models.plain_cnn(3, widths=(8, 8, 8), feature_dim=16, feature_act=False), 10,
-                            head=head(16, 10))
-    x, y = torch.randn(4, 3, 32, 32), torch.randint(0, 10, (4,))
+                            head=head(16, 10)).to(device)
+    x, y = torch.randn(4, 3, 32, 32, device=device), torch.randint(0, 10, (4,), device=device)
     sgd = torch.optim.SGD(net.parameters(), 0.1)
 
     def step():
         sgd.zero_grad()
         net.loss_and_logits(x, y)[0].backward()
         sgd.step()
+    step()
     return step
 
 
-SYNC_FREE = {
-    **{f"CoMHE {v}": (lambda v=v: (lambda n: _step(n, CoMHE(n, variant=v, proj_dim=8, num_proj=2, group_size=4,
-                                                                  ap_every=1), classes=10))(_small_net()))
-       for v in VARIANTS},
-    **{f"MHE {k}": (lambda kw=kw: (lambda n: _step(n, R.MHE(n, **kw), classes=10))(_small_net()))
-       for k, kw in {"full": {}, "half": {"half_space": True}, "angular": {"metric": "angular"}}.items()},
-    "Orthonormality": lambda: (lambda n: _step(n, R.Orthonormality(n, include_linear=True), classes=10))(_small_net()),
-    "Orthogonality": lambda: (lambda n: _step(n, R.Orthogonality(n), classes=10))(_small_net()),
-    "ConvSimilarity": lambda: (lambda n: _step(n, R.ConvSimilarity(n), classes=10))(_small_net()),
-    **{f"OPT {m}": (lambda m=m: _opt_case(m)) for m in opt.METHODS},
-    "SphereConv2d": lambda: _layer_case(lambda: SphereConv2d(8, 8, 3, padding=1, angular="sigmoid")),
-    "SharpenedCosineSimilarity2d": lambda: _layer_case(lambda: SharpenedCosineSimilarity2d(8, 8, 3, padding=1)),
-    "DecoupledConv2d": lambda: _layer_case(lambda: DecoupledConv2d(8, 8, 3, padding=1)),
-    **{name: (lambda h=getattr(margins, name): _head_case(h))
+_MHE = {"full": {}, "half": {"half_space": True}, "angular": {"metric": "angular"}}
+SYNC_FREE = {  # name -> device -> one training step (warmed up once)
+    **{f"CoMHE {v}": (lambda d, v=v: _regularised(lambda n: CoMHE(n, variant=v, proj_dim=8, num_proj=2, group_size=4,
+                                                                    ap_every=1), d)) for v in VARIANTS},
+    **{f"MHE {k}": (lambda d, kw=kw: _regularised(lambda n: R.MHE(n, **kw), d)) for k, kw in _MHE.items()},
+    "Orthonormality": lambda d: _regularised(lambda n: R.Orthonormality(n, include_linear=True), d),
+    "Orthogonality": lambda d: _regularised(R.Orthogonality, d),
+    "ConvSimilarity": lambda d: _regularised(R.ConvSimilarity, d),
+    **{f"OPT {m}": (lambda d, m=m: _opt_case(m, d)) for m in opt.METHODS},
+    "SphereConv2d": lambda d: _layer_case(lambda: SphereConv2d(8, 8, 3, padding=1, angular="sigmoid"), d),
+    "SharpenedCosineSimilarity2d": lambda d: _layer_case(lambda: SharpenedCosineSimilarity2d(8, 8, 3, padding=1), d),
+    "DecoupledConv2d": lambda d: _layer_case(lambda: DecoupledConv2d(8, 8, 3, padding=1), d),
+    **{name: (lambda d, h=getattr(margins, name): _head_case(h, d))
        for name in ("NormalizedSoftmaxLoss", "LSoftmaxLoss", "ASoftmaxLoss", "CosFaceLoss", "ArcFaceLoss",
                     "GASoftmaxLoss", "WSoftmaxLoss")},
 }
@@ -171,10 +180,24 @@ SYNC_FREE = {
 
 @pytest.mark.parametrize("name", list(SYNC_FREE))
 def test_training_step_reads_nothing_on_the_host(name):
-    step = SYNC_FREE[name]()
+    step = SYNC_FREE[name]("cpu")
     with no_host_sync():
         step()
         step()
+
+
+@pytest.mark.needs_cuda
+@pytest.mark.parametrize("name", list(SYNC_FREE))
+def test_cuda_training_step_never_synchronises(name):
+    """The same steps on a GPU under CUDA's own check, which also sees device-to-host copies."""
+    step = SYNC_FREE[name]("cuda")
+    step()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
 
 
 def test_the_guard_catches_each_kind_of_host_read():
