@@ -590,7 +590,10 @@ def main(argv: list[str] | None = None) -> None:
     if args.worker:
         print(json.dumps(worker(json.loads(args.worker))))
         return
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    from sphereml.energy.triton_backend import interpreting
+
+    # Under TRITON_INTERPRET=1 the CUDA plan is emulated on CPU tensors, even where a real GPU is present.
+    device = torch.device("cuda" if torch.cuda.is_available() and not interpreting() else "cpu")
     result = run(device, smoke=args.smoke or None, plan=args.plan, inline=args.inline,
                  only=set(args.only.split(",")) if args.only else None)
     if args.smoke:

@@ -238,7 +238,8 @@ def test_benchmark_smoke(monkeypatch):
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(root)}
     proc = subprocess.run([sys.executable, "-m", "benchmarks.bench_energy", "--smoke", "--plan", "cuda", "--inline"],
                           cwd=root, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.stdout.strip().splitlines()[-1] == '{"ok": true}', proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = proc.stdout.strip().splitlines()
+    assert lines and lines[-1] == '{"ok": true}', proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "triton medium" in proc.stdout and "crossover" in proc.stdout
 
 

@@ -122,7 +122,8 @@ def test_auto_sends_only_tf32_float32_to_triton(matmul_precision):
 
     n = max(TRITON_ABOVE + 1, 10)
     matmul_precision("high")
-    assert _backend_for(torch.zeros(n, 3, device="cuda"), "euclidean", "auto") == "triton"
-    assert _backend_for(torch.zeros(n, 3, device="cuda", dtype=torch.float64), "euclidean", "auto") != "triton"
+    assert _backend_for(torch.zeros(n, 3, device="cuda"), n, "euclidean", "auto") == "triton"
+    assert _backend_for(torch.zeros(n, 3, device="cuda", dtype=torch.float64), n, "euclidean", "auto") != "triton"
+    assert _backend_for(torch.zeros(8, 3, device="cuda"), 8, "euclidean", "auto") == "batched"  # no sync
     matmul_precision("highest")
-    assert _backend_for(torch.zeros(n, 3, device="cuda"), "euclidean", "auto") != "triton"
+    assert _backend_for(torch.zeros(n, 3, device="cuda"), n, "euclidean", "auto") != "triton"

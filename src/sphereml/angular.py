@@ -128,7 +128,7 @@ class _LinearFromCos(torch.autograd.Function):
     def forward(ctx, cos: Tensor) -> Tensor:
         cos = cos.clamp(-1.0, 1.0)
         ctx.save_for_backward(cos)
-        return torch.arccos(cos).mul_(-2.0 / math.pi).add_(1.0)
+        return 1.0 - torch.arccos(cos) * (2.0 / math.pi)  # out of place: see patches._DivideByPatchNorm
 
     @staticmethod
     def backward(ctx, grad: Tensor) -> Tensor:
@@ -139,8 +139,8 @@ class _LinearFromCos(torch.autograd.Function):
 class _SigmoidFromCos(torch.autograd.Function):
     """Sigmoid g(arccos(c)) = tanh(u) / T in one autograd node, u = (pi/2 - theta) / 2k, T = tanh(pi / 4k).
 
-    k is a tensor broadcast against c (a number k arrives as a 0-d tensor).  With sech^2 = 1 - tanh^2
-    from the saved tanh(u),
+    k is a number or a tensor broadcast against c (a number stays on the host: no copy to the device per
+    call).  With sech^2 = 1 - tanh^2 from the saved tanh(u),
 
         dg/dc = sech^2(u) / (2k T sin(theta)),
         dg/dk = -sech^2(u) u / (k T) + tanh(u) (1 - T^2) pi / (4 k^2 T^2)   (summed over the broadcast axes).
@@ -152,18 +152,24 @@ class _SigmoidFromCos(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, cos: Tensor, k: Tensor) -> Tensor:
+    def forward(ctx, cos: Tensor, k: Tensor | float) -> Tensor:
         cos = cos.clamp(-1.0, 1.0)
         u = torch.arccos(cos).sub_(math.pi / 2.0).neg_().div_(2.0 * k)  # (pi/2 - theta) / 2k
         keep_u = ctx.needs_input_grad[1]
         th = torch.tanh(u) if keep_u else u.tanh_()
-        t = torch.tanh(math.pi / (4.0 * k))
-        ctx.save_for_backward(cos, th, u if keep_u else None, k, t)
+        if isinstance(k, Tensor):
+            t = torch.tanh(math.pi / (4.0 * k))
+            ctx.save_for_backward(cos, th, u if keep_u else None, k, t)
+        else:
+            t = math.tanh(math.pi / (4.0 * k))
+            ctx.save_for_backward(cos, th, None)
+            ctx.numbers = (k, t)
         return th / t
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        cos, th, u, k, t = ctx.saved_tensors
+        saved = ctx.saved_tensors
+        cos, th, u, k, t = saved if len(saved) == 5 else (*saved, *ctx.numbers)
         sech2 = th.square().neg_().add_(1.0)
         grad_cos = grad_k = None
         if ctx.needs_input_grad[0]:
@@ -193,4 +199,4 @@ def angular_activation(cos: Tensor, angular: str = "cosine", k: float | Tensor =
     if angular == "linear":
         return _LinearFromCos.apply(cos)
     k = check_k(k)
-    return _SigmoidFromCos.apply(cos, k if isinstance(k, Tensor) else cos.new_tensor(k))
+    return _SigmoidFromCos.apply(cos, k)

@@ -53,12 +53,19 @@ def is_main_process() -> bool:
     return rank() == 0
 
 
+def _gpu_per_rank() -> bool:
+    """Whether each of this machine's ranks can have a GPU of its own (else they share the CPU, with gloo)."""
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+    return torch.cuda.is_available() and ranks <= torch.cuda.device_count()
+
+
 def local_device() -> torch.device:
-    """This process's GPU under ``torchrun`` (``cuda:LOCAL_RANK``), else the default CUDA device or the CPU."""
+    """This process's GPU under ``torchrun`` (``cuda:LOCAL_RANK``; the CPU when there are more ranks than GPUs),
+    else the default CUDA device or the CPU."""
     if not torch.cuda.is_available():
         return torch.device("cpu")
     if "LOCAL_RANK" in os.environ:
-        return torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        return torch.device("cuda", int(os.environ["LOCAL_RANK"])) if _gpu_per_rank() else torch.device("cpu")
     return torch.device("cuda")
 
 
@@ -68,14 +75,14 @@ def init_from_env(backend: str | None = None) -> bool:
     Does nothing (and returns False) when ``WORLD_SIZE`` is absent or 1, so the same code runs alone.
 
     Args:
-        backend (str, optional): ``"nccl"`` or ``"gloo"``; default NCCL when CUDA is available.
+        backend (str, optional): ``"nccl"`` or ``"gloo"``; default NCCL when every rank has a GPU of its own.
     """
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         return False
     if not dist.is_initialized():
-        if torch.cuda.is_available():
+        if _gpu_per_rank():
             torch.cuda.set_device(local_device())
-        dist.init_process_group(backend or ("nccl" if torch.cuda.is_available() else "gloo"))
+        dist.init_process_group(backend or ("nccl" if _gpu_per_rank() else "gloo"))
     return is_distributed()
 
 

@@ -154,7 +154,7 @@ class _DivideByPatchNorm(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, inner: Tensor, x: Tensor, q: Tensor | None, kernel_size, stride, padding, dilation,
+    def forward(ctx, inner: Tensor, x: Tensor, q: Tensor | float | None, kernel_size, stride, padding, dilation,
                 groups: int, eps: float) -> Tensor:
         b, c, h, w = x.shape
         with torch.autocast(x.device.type, enabled=False):
@@ -165,12 +165,12 @@ class _DivideByPatchNorm(torch.autograd.Function):
         norm = sq.clamp_min(eps * eps).sqrt_()
         denominator = norm if q is None else norm + q
         bo, co, ho, wo = inner.shape
-        cos = torch.empty_like(inner)  # written through a grouped view, returned as a fresh tensor (not a view)
         grouped = (bo, groups, co // groups, ho, wo)
-        torch.div(inner.view(grouped), denominator.unsqueeze(2), out=cos.view(grouped))
+        cos = (inner.view(grouped) / denominator.unsqueeze(2)).view(bo, co, ho, wo)
         ctx.save_for_backward(inner, x, norm, denominator, sq)
         ctx.conv = (kernel_size, stride, padding, dilation, groups, eps, energy.shape, q is not None)
-        return cos.clamp_(-1.0, 1.0)
+        # Out of place: torch.compile (2.11) drops the backward of a Function whose output is changed in place.
+        return cos.clamp(-1.0, 1.0)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
@@ -210,7 +210,8 @@ def patch_cosine2d(x: Tensor, weight: Tensor, stride=1, padding=0, dilation=1, g
         stride, padding, dilation, groups: as in :func:`torch.nn.functional.conv2d` (``padding`` may be
             ``"valid"`` or ``"same"``).
         eps (float): patch-norm floor. Default: 1e-6.
-        q (float or 0-dim Tensor, optional): offset added to the patch norm (a tensor gets a gradient).
+        q (float or 0-dim Tensor, optional): offset added to the patch norm (a tensor gets a gradient; a number
+            is never copied to the device).
 
     Returns:
         Tensor[B, C_out, H', W'] in [-1, 1].
@@ -221,5 +222,5 @@ def patch_cosine2d(x: Tensor, weight: Tensor, stride=1, padding=0, dilation=1, g
     w_hat = normalize(weight.flatten(1), eps=eps).view_as(weight)
     inner = F.conv2d(x, w_hat, None, stride, padding, dilation, groups)  # (B, C_out, H', W')
     if q is not None and not isinstance(q, Tensor):
-        q = None if q == 0 else inner.new_tensor(float(q))
+        q = None if q == 0 else float(q)  # a number stays on the host: no copy to the device per call
     return _DivideByPatchNorm.apply(inner, x, q, kernel_size, stride, padding, dilation, groups, eps)

@@ -150,10 +150,11 @@ def _status_bytes(key: str) -> int:
 
 
 def training_step(net: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, optimizer: torch.optim.Optimizer,
-                  regularizer: Callable[[], torch.Tensor] | None = None, compile: bool = False) -> Callable[[], None]:
+                  regularizer: Callable[[], torch.Tensor] | None = None,
+                  compile: bool | str = False) -> Callable[[], None]:
     """A candidate for :func:`compare`: one optimiser step of ``net`` on the batch (x, y), cross-entropy plus
-    ``regularizer()`` when given.  ``compile``: the loss and penalty through ``torch.compile`` (a
-    regulariser's ``before_step`` stays eager), as ``fit(compile=True)`` runs them."""
+    ``regularizer()`` when given.  ``compile`` (True or a mode): the loss and penalty through ``torch.compile``
+    (a regulariser's ``before_step`` stays eager), as ``fit(compile=...)`` runs them."""
     before = getattr(regularizer, "before_step", None)
     penalty = getattr(regularizer, "weighted_penalty", regularizer)
 
@@ -161,7 +162,8 @@ def training_step(net: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, optimi
         loss = torch.nn.functional.cross_entropy(net(x), y)
         return loss + penalty() if penalty is not None else loss
 
-    objective = torch.compile(objective) if compile else objective
+    if compile:
+        objective = torch.compile(objective, mode=None if compile is True else compile)
 
     def step():
         optimizer.zero_grad(set_to_none=True)
