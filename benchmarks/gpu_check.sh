@@ -41,7 +41,7 @@ for part in "${PARTS[@]}"; do
       step tests "${TESTS_LIMIT:-240}" $PY -m pytest -n "${WORKERS:-auto}" -v -p no:cacheprovider \
         --continue-on-collection-errors --ignore=tests/test_book.py --ignore=tests/test_notebooks.py \
         --ignore=tests/test_browser.py --ignore=tests/test_setup.py tests
-      grep -E "^(FAILED|ERROR) |\] (FAILED|ERROR) " "$OUT/tests.txt" | sed -E 's/.*(FAILED|ERROR) /\1 /' \
+      grep -E "^(FAILED|ERROR) |\] (FAILED|ERROR) " "$OUT/tests.txt" | sed -E 's/.*(FAILED|ERROR) /\1 /; s/ - .*//; s/ +$//' \
         | sort -u > "$OUT/failures.txt"
       echo "tests: $(grep -c . "$OUT/failures.txt") failing node ids (failures.txt);" \
         "$(grep -cE '\] PASSED|^PASSED|PASSED ' "$OUT/tests.txt") passed" | tee -a "$OUT/summary.txt"

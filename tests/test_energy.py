@@ -235,7 +235,8 @@ def test_benchmark_smoke(monkeypatch):
     assert result["crossover"]["float32 dense vs tiled"]["sizes"] == [16, 32]
     emulated = result["gram_error_emulated"]
     assert emulated["d=64 tf32"]["max_abs"] > 10 * emulated["d=64 float32"]["max_abs"]
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(root)}
+    path = os.pathsep.join(filter(None, [str(root), str(root / "src"), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path}  # sphereml from the checkout if not installed
     proc = subprocess.run([sys.executable, "-m", "benchmarks.bench_energy", "--smoke", "--plan", "cuda", "--inline"],
                           cwd=root, env=env, capture_output=True, text=True, timeout=300)
     lines = proc.stdout.strip().splitlines()
