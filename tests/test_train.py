@@ -142,3 +142,41 @@ def test_resume_on_cuda(toy, tmp_path):
     fit(resumed, train, epochs=3, checkpoint=tmp_path / "b.pt", **kwargs)
     for p, q in zip(straight.parameters(), resumed.parameters()):
         assert torch.allclose(p, q, atol=1e-6)
+
+
+def test_resume_continues_the_regularizers_projections(toy, tmp_path):
+    """CoMHE's projections come from its own generator, which the checkpoint carries: a resumed run draws the
+    projections the uninterrupted run drew."""
+    from sphereml.comhe import CoMHE
+
+    train, _ = toy
+    kwargs = dict(batch_size=16, device="cpu", optimizer="sgd", lr=0.05, progress=False)
+    straight = make(dropout=False)
+    fit(straight, train, epochs=3, regularizer=CoMHE(straight, proj_dim=3, num_proj=2, seed=7),
+        checkpoint=tmp_path / "a.pt", **kwargs)
+    interrupted = make(dropout=False)
+    fit(interrupted, train, epochs=1, regularizer=CoMHE(interrupted, proj_dim=3, num_proj=2, seed=7),
+        checkpoint=tmp_path / "b.pt", **kwargs)
+    resumed = make(dropout=False)
+    reg = CoMHE(resumed, proj_dim=3, num_proj=2, seed=7)
+    fit(resumed, train, epochs=3, regularizer=reg, checkpoint=tmp_path / "b.pt", **kwargs)
+    assert reg.calls == 3 * 9  # 135 examples, batch 16: 9 steps per epoch, counted across the resumption
+    for p, q in zip(straight.parameters(), resumed.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_compiled_step_trains_like_the_eager_step(toy):
+    """fit(compile=True): the loss and the penalty through torch.compile, the regulariser's state stepped eagerly."""
+    from sphereml.regularizers import MHE
+
+    train, _ = toy
+    torch._dynamo.reset()
+    weights = []
+    for compile in (False, True):
+        model = make(dropout=False)
+        fit(model, train, epochs=1, batch_size=32, device="cpu", optimizer="sgd", lr=0.05, progress=False,
+            regularizer=MHE(model, half_space=True), compile=compile)
+        weights.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
+    torch.testing.assert_close(weights[1], weights[0], rtol=1e-4, atol=1e-5)
+    with pytest.raises(ValueError, match="compile must be one of"):
+        fit(make(), train, epochs=1, device="cpu", progress=False, compile="fast")
