@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from sphereml import chapter
+from sphereml import chapter, verdicts
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -67,8 +67,10 @@ def test_chapter_helpers_train_on_its_device(tmp_path):
 
 def test_claims_are_printed_and_recorded(tmp_path, capsys):
     ch = chapter.Chapter("demo", profile="cpu", device="cpu", seed=0, output_dir=str(tmp_path))
-    record = ch.claim("afs", "A-Softmax lowers the angular Fisher score below softmax", "thesis Table 2.3",
-                      ours={"softmax": 0.138, "A-Softmax": 0.116}, holds=0.116 < 0.138, paper=None)
+    returned = ch.claim("afs", "A-Softmax lowers the angular Fisher score below softmax", "thesis Table 2.3",
+                        ours={"softmax": 0.138, "A-Softmax": 0.116}, holds=0.116 < 0.138, paper=None)
+    assert returned is None  # nothing for a notebook cell to echo
+    record = json.loads((tmp_path / "metrics.json").read_text())["claims"][0]
     ch.claim("tie", "two heads differ", "thesis Table 2.4", ours=0.001, holds=None, paper=0.5)
     ch.claim("afs", "A-Softmax lowers the angular Fisher score below softmax", "thesis Table 2.3",
              ours={"softmax": 0.138, "A-Softmax": 0.2}, holds=False)  # the same id is replaced, not repeated
@@ -80,12 +82,14 @@ def test_claims_are_printed_and_recorded(tmp_path, capsys):
     saved = json.loads((tmp_path / "metrics.json").read_text())["claims"]
     assert [c["id"] for c in saved] == ["tie", "afs"] and saved[1]["verdict"] == "does not hold"
     assert set(saved[0]) == {"id", "statement", "source", "paper", "ours", "profile", "verdict"}
-    with pytest.raises(ValueError, match="holds must be True, False or None"):
+    with pytest.raises(ValueError, match="holds must be True, False, None or 'not testable'"):
         ch.claim("x", "y", "z", ours=1, holds="yes")
+    ch.claim("arm", "a claim whose arm never trained", "thesis Table 7.5", ours=0.1, holds=verdicts.NOT_TESTABLE)
     ch.print_verdicts()
-    summary = capsys.readouterr().out.splitlines()
+    summary = capsys.readouterr().out.splitlines()[-3:]
     assert summary == ["- not distinguishable: two heads differ (thesis Table 2.4)",
-                       "- does not hold: A-Softmax lowers the angular Fisher score below softmax (thesis Table 2.3)"]
+                       "- does not hold: A-Softmax lowers the angular Fisher score below softmax (thesis Table 2.3)",
+                       "- not testable: a claim whose arm never trained (thesis Table 7.5)"]
 
 
 def test_cifar_is_skipped_with_a_note_when_the_archive_is_missing(tmp_path, monkeypatch, capsys):

@@ -280,3 +280,19 @@ def test_benchmark_smoke(monkeypatch, tmp_path):
     result = bench_comhe.run(torch.device("cpu"), batch=2, widths=(4, 8, 8), repeats=1, names=("HS-MHE", "RP-CoMHE"))
     assert set(result["seconds"]) == {"none", "HS-MHE", "RP-CoMHE"}
     assert (tmp_path / "comhe_train_step_cnn9_b2-cpu.json").is_file()
+
+
+def test_plain_angle_step_is_the_authors_gradient_step():
+    """ap_step="plain": the unrolled projection is P - ap_lr grad_P L_P, as the authors' code takes it."""
+    torch.manual_seed(0)
+    layer = nn.Linear(12, 6).double()
+    model = nn.Sequential(layer, nn.ReLU(), nn.Linear(6, 3).double())
+    reg = CoMHE(model, variant="angle", proj_dim=4, num_proj=1, lambda_output=0.0, resample_every=None,
+                ap_every=10 ** 6, ap_step="plain", ap_lr=0.3)
+    reg.resample()
+    p = reg.projections[reg.key(0)].detach().requires_grad_(True)
+    (grad,) = torch.autograd.grad(angle_distortion(layer.weight, p), p)
+    expected = projected_energies(layer.weight, p.detach() - 0.3 * grad).mean()
+    torch.testing.assert_close(reg.layer_energy(0), expected)
+    with pytest.raises(ValueError, match="ap_step must be one of"):
+        CoMHE(model, ap_step="adam")

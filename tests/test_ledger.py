@@ -76,10 +76,10 @@ def test_collect_merges_profiles_skips_smoke_and_replaces_reruns(tmp_path):
     snapshot = ledger.collect([rerun], snapshot)
     assert snapshot["chapters"]["01_a"]["cpu"]["claims"][0]["verdict"] == "not distinguishable"
     page = ledger.render(snapshot)
-    assert "within the noise at this scale" in page and "reproduced in direction" in page
+    assert "| not distinguishable |" in page and "The four verdicts" in page
     assert "a \\| b" in page and "a 0.12346" in page  # pipes escaped, numbers shortened
-    assert "- `cpu` profile: 1 claims from 1 chapters: 0 reproduced in direction, 0 not reproduced, " \
-           "1 within the noise at this scale." in page
+    assert "- `cpu` profile: 1 claims from 1 chapters: 0 holds, 0 does not hold, 1 not distinguishable, " \
+           "0 not testable." in page
 
 
 def test_render_marks_missing_profiles_and_collect_rejects_bad_records(tmp_path):

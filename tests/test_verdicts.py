@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from sphereml.verdicts import SeedComparison, compare_over_seeds, every
+from sphereml.verdicts import (NOT_TESTABLE, VERDICTS, SeedComparison, SeedTable, compare_over_seeds, every, given,
+                               trains, verdict_name, within)
 
 
 def test_one_seed_uses_the_floor_and_the_binomial_noise():
@@ -87,6 +88,57 @@ def test_every_holds_only_when_all_hold_and_fails_when_any_fails():
     assert every([True, True]) is True
     assert every([True, None]) is None
     assert every([None, False, True]) is False
+    assert every([True, NOT_TESTABLE, None]) == NOT_TESTABLE
+    assert every([NOT_TESTABLE, False]) is False
     assert every(c for c in (True,)) is True  # any iterable
-    with pytest.raises(ValueError, match="True, False or None"):
+    with pytest.raises(ValueError, match="True, False, None or 'not testable'"):
         every([True, "yes"])
+
+
+def test_equivalence_holds_only_when_the_whole_interval_is_inside_the_margin():
+    tight = compare_over_seeds([0.801, 0.802, 0.800], [0.800, 0.800, 0.799], floor=0.0)  # d ~ 0.0013
+    assert tight.equivalent(margin=0.01) is True
+    assert tight.holds is None or tight.holds is True  # a "larger" verdict is a different question
+    # inside the noise is not the same as equivalent: a wide noise leaves it undecided
+    wide = compare_over_seeds([0.80], [0.80], floor=0.02)
+    assert wide.holds is None and wide.equivalent(margin=0.01) is None
+    far = compare_over_seeds([0.90], [0.80], floor=0.02)  # interval [0.08, 0.12], margin 0.05
+    assert far.equivalent(margin=0.05) is False
+    with pytest.raises(ValueError, match="margin must be a finite number > 0"):
+        tight.equivalent(margin=0.0)
+
+
+def test_seed_table_collects_and_pairs_on_common_seeds():
+    table = SeedTable()
+    for seed, (a, b) in enumerate([(0.80, 0.78), (0.82, 0.79), (0.81, 0.80)]):
+        table.add("MHE", seed, accuracy=a, energy=1.0 + seed)
+        table.add("baseline", seed, accuracy=b)
+    table.add("MHE", 3, accuracy=0.5)  # a seed the baseline lacks is left out of the pairing
+    assert table.variants == ["MHE", "baseline"] and table.seeds("MHE") == [0, 1, 2, 3]
+    assert table.values("MHE", "energy", seeds=[0, 1, 2]) == [1.0, 2.0, 3.0]
+    assert table.mean("baseline", "accuracy") == pytest.approx(0.79)
+    paired = table.compare("MHE", "baseline", "accuracy", floor=0.005)
+    direct = compare_over_seeds([0.80, 0.82, 0.81], [0.78, 0.79, 0.80], floor=0.005)
+    assert paired == direct
+    assert table.to_dict()["MHE"]["3"] == {"accuracy": 0.5}
+    with pytest.raises(KeyError, match="no results for variant 'OPT'"):
+        table.seeds("OPT")
+
+
+def test_exact_claims_hold_within_their_tolerance():
+    assert within(1.0000001, 1.0, tolerance=1e-6) is True
+    assert within([0.5, 0.25], [0.5, 0.2500001], tolerance=1e-6) is True
+    assert within(1.1, 1.0, tolerance=1e-6) is False
+    with pytest.raises(ValueError, match="tolerance"):
+        within(1.0, 1.0, tolerance=-1.0)
+
+
+def test_an_arm_at_chance_makes_a_claim_not_testable():
+    assert trains([0.10, 0.11], chance=0.1, n_eval=10_000) is False  # 0.105 against 0.1 + max(0.01, 0.006)
+    assert trains([0.60, 0.62], chance=0.1, n_eval=10_000) is True
+    assert given(True, True, verdict=False) is False
+    assert given(True, False, verdict=True) == NOT_TESTABLE
+    assert given(None, verdict=True) == NOT_TESTABLE  # a control that is not distinguishable does not stand
+    assert [verdict_name(v) for v in (True, False, None, NOT_TESTABLE)] == list(VERDICTS.values())
+    with pytest.raises(ValueError, match="a verdict must be"):
+        verdict_name("maybe")

@@ -29,11 +29,11 @@ import torch
 from . import _io, data, distributed, viz
 from ._checks import integer
 from .train import collect_outputs, evaluate, fit, resolve_device, seed_everything
+from .verdicts import NOT_TESTABLE, verdict_name
 
-__all__ = ["PROFILES", "VERDICTS", "resolve_profile", "repo_root", "resolve_output_dir", "show_value", "Chapter"]
+__all__ = ["PROFILES", "resolve_profile", "repo_root", "resolve_output_dir", "show_value", "Chapter"]
 
 PROFILES = ("smoke", "cpu", "gpu")
-VERDICTS = {True: "holds", False: "does not hold", None: "not distinguishable"}
 PAGE_WIDTH = 96  # characters of a printed line that fit the book's column
 
 
@@ -168,7 +168,7 @@ class Chapter:
         self.metrics.update(values)
         self.write()
 
-    def claim(self, id: str, statement: str, source: str, ours, holds: bool | None, paper=None) -> dict:
+    def claim(self, id: str, statement: str, source: str, ours, holds, paper=None) -> None:
         """Print one verdict beside the numbers behind it, and store it as a record in ``metrics.json``.
 
         Args:
@@ -176,17 +176,16 @@ class Chapter:
             statement (str): the claim in words, as the seed makes it (or as we test it).
             source (str): where the seed makes it (e.g. ``"thesis Table 2.3"``).
             ours: our value(s) that decide it (a number, or a dict of named numbers).
-            holds (bool or None): the verdict computed from ``ours``; None when the difference is
-                within the noise ("not distinguishable").
+            holds: the verdict from :mod:`sphereml.verdicts`: True (holds), False (does not hold), None (not
+                distinguishable) or ``verdicts.NOT_TESTABLE``.
             paper: the seed's value(s), if it gives any.
-
-        Returns:
-            the record: id, statement, source, paper, ours, profile, verdict.
         """
-        if holds not in VERDICTS:
-            raise ValueError(f"holds must be True, False or None, got {holds!r}")
+        try:
+            verdict = verdict_name(holds)
+        except ValueError:
+            raise ValueError(f"holds must be True, False, None or {NOT_TESTABLE!r}, got {holds!r}") from None
         record = {"id": id, "statement": statement, "source": source, "paper": paper, "ours": ours,
-                  "profile": self.profile, "verdict": VERDICTS[bool(holds) if holds is not None else None]}
+                  "profile": self.profile, "verdict": verdict}
         self.metrics["claims"] = [c for c in self.metrics["claims"] if c["id"] != id] + [record]
         self.write()
         numbers = f"ours: {show_value(ours)}" + (f"; paper: {show_value(paper)}" if paper is not None else "")
@@ -194,7 +193,6 @@ class Chapter:
                               subsequent_indent="    ")
         lines += textwrap.wrap(numbers, PAGE_WIDTH, initial_indent="    ", subsequent_indent="    ")
         print("\n".join(lines))
-        return record
 
     def print_verdicts(self) -> None:
         """Print every claim recorded so far as one line: verdict, statement, source (for a chapter's summary)."""

@@ -84,9 +84,12 @@ class CoMHE(MHE):
             projections are kept (the authors' AP code never re-initialises). Default: ``"auto"``.
         lambda_hidden, lambda_output (float): weights of the hidden and classifier terms. Default: 1, 1.
         group_size (int): channels per group for ``"group"`` (the thesis: 8).
-        ap_lr (float): the relative size of a step on P: ``"angle"`` moves P by ap_lr * ||P|| against
-            grad L_P (alternating and unrolled), ``"adversarial"`` by as much along the projected
-            energy's gradient (P's scale does not matter to g, so the step is scale-free). Default: 0.1.
+        ap_lr (float): the size of a step on P: with ``ap_step="relative"``, ``"angle"`` moves P by
+            ap_lr * ||P|| against grad L_P (alternating and unrolled) and ``"adversarial"`` by as much along the
+            projected energy's gradient (P's scale does not matter to g, so the step is scale-free); with
+            ``"plain"``, P - ap_lr * grad (the authors' code, which uses the network's learning rate).
+            Default: 0.1.
+        ap_step (str): ``"relative"`` or ``"plain"``, see ``ap_lr``. Default: ``"relative"``.
         ap_every (int): ``"angle"``: fit P by ``ap_steps`` steps on L_P every this many calls (§6.6.1: 10).
         ap_steps (int): those steps. Default: 1.
         unrolled (bool): ``"angle"``: use P - ap_lr grad_P L_P(W, P), differentiated through W as well
@@ -97,7 +100,8 @@ class CoMHE(MHE):
     def __init__(self, model: nn.Module, variant: str = "random", proj_dim: int = 30, num_proj: int = 5,
                  s: float = 2.0, half_space: bool = True, shared_basis: bool = True, resample_every="auto",
                  lambda_hidden: float = 1.0, lambda_output: float = 1.0, group_size: int = 8, ap_lr: float = 0.1,
-                 ap_every: int = 10, ap_steps: int = 1, unrolled: bool = True, seed: int = 0, backend: str = "auto"):
+                 ap_every: int = 10, ap_steps: int = 1, unrolled: bool = True, seed: int = 0, backend: str = "auto",
+                 ap_step: str = "relative"):
         self.variant = one_of("variant", variant, VARIANTS)
         self.proj_dim = integer("proj_dim", proj_dim, at_least=1)
         self.num_proj = integer("num_proj", num_proj, at_least=1)
@@ -107,6 +111,7 @@ class CoMHE(MHE):
         self.resample_every = None if resample_every is None else integer("resample_every", resample_every, at_least=1)
         self.group_size = integer("group_size", group_size, at_least=1)
         self.ap_lr = real_number("ap_lr", ap_lr, above=0.0)
+        self.ap_step = one_of("ap_step", ap_step, ("relative", "plain"))
         self.ap_every = integer("ap_every", ap_every, at_least=1)
         self.ap_steps = integer("ap_steps", ap_steps, at_least=1)
         self.seed = integer("seed", seed, at_least=0)
@@ -217,7 +222,11 @@ class CoMHE(MHE):
         return minus / self.num_proj
 
     def _step(self, p: Tensor, grad: Tensor, sign: float) -> Tensor:
-        """Each P_l (Tensor[L, C, k, d]) moved by ap_lr * ||P_l|| along sign * grad_l: a scale-free step."""
+        """Each P_l (Tensor[L, C, k, d]) moved along sign * grad_l: by ap_lr * ||P_l|| (a scale-free step), or by
+        ap_lr * grad_l (``ap_step="plain"``)."""
+        if self.ap_step == "plain":
+            return p + sign * self.ap_lr * grad
+
         def norm(t):
             return torch.linalg.vector_norm(t, dim=(1, 2, 3), keepdim=True)
         return p + sign * self.ap_lr * norm(p.detach()) / norm(grad).clamp_min(1e-30) * grad

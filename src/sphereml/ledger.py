@@ -11,9 +11,8 @@ stores a record (statement, source, the paper's value, ours, verdict) in the cha
   checks that the committed page is exactly ``render(snapshot)``).
 
 The command line (``python -m sphereml.book ledger``) does both after a ``cpu`` (or ``gpu``) run of
-the chapters.  A chapter's verdicts are its own, decided by the rule stated in the chapter; the page
-only renames them: *holds* is "reproduced in direction", *does not hold* "not reproduced", and *not
-distinguishable* "within the noise at this scale".
+the chapters.  Every verdict is decided by the one rule of :mod:`sphereml.verdicts`, and the page uses
+its four words (holds, does not hold, not distinguishable, not testable), explained once at the top.
 """
 
 from __future__ import annotations
@@ -22,15 +21,12 @@ import json
 import os
 from pathlib import Path
 
-from .chapter import PROFILES, VERDICTS, show_value
+from .chapter import PROFILES, show_value
+from .verdicts import VERDICTS
 
 __all__ = ["LABELS", "collect", "render", "load_snapshot"]
 
-LABELS = {
-    "holds": "reproduced in direction",
-    "does not hold": "not reproduced",
-    "not distinguishable": "within the noise at this scale",
-}
+LABELS = {name: name for name in VERDICTS.values()}  # the page uses the verdicts' own words
 RUN_FIELDS = ("device_name", "torch", "threads")  # what the page says about the run behind each column
 
 
@@ -118,15 +114,32 @@ def render(snapshot: dict) -> str:
         "(claims-ledger)=",
         "# Claims ledger",
         "",
-        "Every chapter tests the headline claims of its source with a rule stated in the chapter, and",
-        "records the claim, where the source makes it, the source's value, ours, and the verdict. This",
-        "page gathers those records from the last run of each chapter in each profile. Verdicts:",
-        "*reproduced in direction* — our difference has the claimed sign and exceeds the chapter's noise",
-        "threshold; *not reproduced* — it exceeds the threshold the other way; *within the noise at this",
-        "scale* — neither; *not yet run* — the profile has not been run for the ledger. A `cpu` verdict",
-        "is about a small network trained briefly on a data subset, so it speaks for the direction of an",
-        "effect at that scale, not for the paper's setting. Values are shown as each chapter records",
-        "them, so their units differ (fractions, percentages, error rates): the chapter says which.",
+        "Every chapter tests the headline claims of its source and records the claim, where the source",
+        "makes it, the source's value, ours, and the verdict. This page gathers those records from the last",
+        "run of each chapter in each profile.",
+        "",
+        ":::{admonition} The four verdicts",
+        "Every verdict of the book comes from one rule ({py:mod}`sphereml.verdicts`): variants are paired",
+        "seed by seed, and a difference counts only beyond a *noise level*, the largest of a floor the",
+        "chapter states, the binomial error of the evaluation set and the seed-to-seed spread (a 95 % t",
+        "interval of the mean paired difference).",
+        "",
+        "- **holds** — the effect has the claimed sign and clears the noise level; for a claim of *no*",
+        "  *difference*, the whole interval (difference ± noise) lies inside the margin the chapter states.",
+        "- **does not hold** — the effect clears the noise level the other way (for no difference: the",
+        "  whole interval lies outside the margin).",
+        "- **not distinguishable** — neither: at this scale the data cannot decide.",
+        "- **not testable** — the comparison cannot speak to the claim: an arm never trained (it stayed at",
+        "  chance), the source says the measure is unreliable at our scale, or the control the claim rests",
+        "  on failed.",
+        "",
+        "*not yet run* marks a profile that has not been run for the ledger. A `cpu` verdict is about a",
+        "small network trained briefly on a data subset: it speaks for the direction of an effect at that",
+        "scale, not for the paper's setting.",
+        ":::",
+        "",
+        "Values are shown as each chapter records them, so their units differ (fractions, percentages,",
+        "error rates): the chapter says which.",
         "",
         "**Summary.**",
         "",

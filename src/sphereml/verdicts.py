@@ -1,9 +1,25 @@
-"""Verdicts that know their noise: compare two trained variants over several seeds.
+"""Verdicts that know their noise: one rule for every claim of the book.
 
 A claim such as "MHE beats the baseline" compares numbers that move from seed to seed and from one
-evaluation sample to another. :func:`compare_over_seeds` turns the per-seed values of two variants into a
-verdict (``True`` / ``False`` / ``None`` for "not distinguishable", the values :meth:`Chapter.claim
-<sphereml.chapter.Chapter.claim>` takes) by comparing the mean paired difference with a noise level.
+evaluation sample to another.  Every chapter decides its claims here, with four possible verdicts (the
+vocabulary of the whole book, defined once in the preface and on the claims ledger):
+
+* **holds** — the effect has the claimed sign and its size clears the noise level; for a claim of *no
+  difference*, the whole interval of the difference (± the noise level) lies inside a stated margin;
+* **does not hold** — the effect clears the noise the other way (for a claim of no difference: the whole
+  interval lies outside the margin);
+* **not distinguishable** — neither: at this scale the data cannot decide;
+* **not testable** — the comparison cannot speak to the claim: an arm never trained (stays at chance), the
+  source says the measure is unreliable at our scale, or the control the claim depends on failed.
+
+:class:`SeedTable` collects results by variant and seed; :func:`compare_over_seeds` (or
+:meth:`SeedTable.compare`) pairs two variants seed by seed and compares the mean paired difference with a
+noise level; :meth:`SeedComparison.holds` and :meth:`SeedComparison.equivalent` are the verdicts of "a is
+larger than b" and "a and b do not differ"; :func:`trains`, :func:`given` and :func:`every` handle
+untrained arms, conditional claims and claims made for several cases; :func:`within` decides exact claims
+(closed forms, identities) at a stated tolerance.  A verdict is ``True`` (holds),
+``False`` (does not hold), ``None`` (not distinguishable) or :data:`NOT_TESTABLE`, the values
+:meth:`Chapter.claim <sphereml.chapter.Chapter.claim>` takes.
 
 Note [noise level of a paired comparison]
 -----------------------------------------
@@ -35,7 +51,19 @@ from dataclasses import dataclass
 
 from scipy import stats
 
-__all__ = ["SeedComparison", "compare_over_seeds", "every"]
+__all__ = ["VERDICTS", "NOT_TESTABLE", "verdict_name", "SeedComparison", "compare_over_seeds", "SeedTable", "trains",
+           "given", "every", "within"]
+
+NOT_TESTABLE = "not testable"  # the fourth verdict (True, False and None are the other three)
+VERDICTS = {True: "holds", False: "does not hold", None: "not distinguishable", NOT_TESTABLE: NOT_TESTABLE}
+
+
+def verdict_name(verdict) -> str:
+    """The word for a verdict: ``True`` -> "holds", ``False`` -> "does not hold", ``None`` -> "not
+    distinguishable", :data:`NOT_TESTABLE` -> "not testable"."""
+    if isinstance(verdict, bool) or verdict is None or verdict == NOT_TESTABLE:
+        return VERDICTS[verdict]
+    raise ValueError(f"a verdict must be True, False, None or {NOT_TESTABLE!r}, got {verdict!r}")
 
 
 @dataclass(frozen=True)
@@ -51,10 +79,27 @@ class SeedComparison:
 
     @property
     def holds(self) -> bool | None:
-        """True when ``a`` exceeds ``b`` beyond the noise, False when it falls short beyond it, else None."""
+        """The verdict of "``a`` is larger than ``b``": True when the difference clears the noise, False when
+        it clears it the other way, else None."""
         if self.difference > self.noise:
             return True
         if self.difference < -self.noise:
+            return False
+        return None
+
+    def equivalent(self, margin: float) -> bool | None:
+        """The verdict of "``a`` and ``b`` do not differ by more than ``margin``" (an equivalence test).
+
+        True when the whole interval difference ± noise lies inside [-margin, margin]; False when it lies
+        wholly outside; None otherwise.  A difference inside the noise is *not* evidence of no difference:
+        with a noise level wider than the margin, the verdict can only be None.
+        """
+        if not (math.isfinite(margin) and margin > 0):
+            raise ValueError(f"margin must be a finite number > 0, got {margin}")
+        low, high = self.difference - self.noise, self.difference + self.noise
+        if -margin <= low and high <= margin:
+            return True
+        if low > margin or high < -margin:
             return False
         return None
 
@@ -123,9 +168,92 @@ def compare_over_seeds(a, b, *, floor: float, n_eval: int | None = None, confide
     return SeedComparison(mean_a, mean_b, difference, noise, k, spread)
 
 
-def every(verdicts) -> bool | None:
-    """A claim made for every case: True if all hold, False if any fails, else None (not distinguishable)."""
+class SeedTable:
+    """Results by variant and seed: the one collector of every chapter's trained comparisons.
+
+    ``table.add("MHE", seed, accuracy=0.81, energy=3.2)`` records a run; ``table.values("MHE", "accuracy")``
+    lists a key over the variant's seeds (in seed order), :meth:`mean` averages it, and :meth:`compare`
+    pairs two variants on their common seeds (:func:`compare_over_seeds`).
+    """
+
+    def __init__(self):
+        self.rows: dict[str, dict[int, dict[str, float]]] = {}
+
+    def add(self, variant: str, seed: int, **values) -> None:
+        """Record (or extend) the values of one run."""
+        self.rows.setdefault(variant, {}).setdefault(seed, {}).update(values)
+
+    @property
+    def variants(self) -> list[str]:
+        return list(self.rows)
+
+    def seeds(self, variant: str) -> list[int]:
+        if variant not in self.rows:
+            raise KeyError(f"no results for variant {variant!r}; have {sorted(self.rows)}")
+        return sorted(self.rows[variant])
+
+    def values(self, variant: str, key: str, seeds=None) -> list[float]:
+        """``key`` of ``variant`` over ``seeds`` (default: all of its seeds, in order)."""
+        return [self.rows[variant][s][key] for s in (self.seeds(variant) if seeds is None else seeds)]
+
+    def mean(self, variant: str, key: str) -> float:
+        values = self.values(variant, key)
+        return sum(values) / len(values)
+
+    def compare(self, a: str, b: str, key: str, *, floor: float, n_eval: int | None = None,
+                confidence: float = 0.95) -> "SeedComparison":
+        """``a`` against ``b`` on ``key``, paired on the seeds both have (see :func:`compare_over_seeds`)."""
+        seeds = sorted(set(self.seeds(a)) & set(self.seeds(b)))
+        if not seeds:
+            raise ValueError(f"{a!r} and {b!r} share no seed")
+        return compare_over_seeds(self.values(a, key, seeds), self.values(b, key, seeds), floor=floor,
+                                  n_eval=n_eval, confidence=confidence)
+
+    def to_dict(self) -> dict:
+        """``{variant: {seed: values}}`` (seeds as strings), for a chapter's metrics."""
+        return {variant: {str(s): dict(v) for s, v in runs.items()} for variant, runs in self.rows.items()}
+
+
+def trains(accuracies, chance: float, n_eval: int, floor: float = 0.01) -> bool:
+    """Whether a variant learned anything: its mean accuracy exceeds ``chance`` by more than the larger of
+    ``floor`` and twice the binomial standard error of an accuracy at chance on ``n_eval`` items.  A claim
+    with an arm that does not train is :data:`NOT_TESTABLE` (see :func:`given`)."""
+    values = _values("accuracies", accuracies)
+    if not 0 < chance < 1:
+        raise ValueError(f"chance must lie in (0, 1), got {chance}")
+    noise = max(floor, 2 * math.sqrt(chance * (1 - chance) / n_eval))
+    return sum(values) / len(values) > chance + noise
+
+
+def given(*conditions, verdict):
+    """``verdict`` if every condition holds (``True``), else :data:`NOT_TESTABLE`: a claim that rests on a control
+    (the arms train, the control comparison itself holds) is tested only where the control stands."""
+    for condition in conditions:
+        if condition is not True and condition not in (False, None, NOT_TESTABLE):
+            raise ValueError(f"conditions must be verdicts or booleans, got {condition!r}")
+    verdict_name(verdict)
+    return verdict if all(c is True for c in conditions) else NOT_TESTABLE
+
+
+def within(value, expected, tolerance: float) -> bool:
+    """An exact claim (a closed form, an identity of a proof, a known optimum): it holds when every computed
+    value lies within ``tolerance`` of the expected one, and does not hold otherwise.  There is no noise to
+    speak of, only rounding, so the tolerance is stated where the claim is made."""
+    if not (math.isfinite(tolerance) and tolerance >= 0):
+        raise ValueError(f"tolerance must be a finite number >= 0, got {tolerance}")
+    pairs = zip(value, expected) if isinstance(value, (list, tuple)) else [(value, expected)]
+    return all(abs(float(v) - float(e)) <= tolerance for v, e in pairs)
+
+
+def every(verdicts):
+    """A claim made for every case: True if all hold, False if any fails, :data:`NOT_TESTABLE` if any cannot be
+    tested (and none fails), else None (not distinguishable)."""
     verdicts = list(verdicts)
-    if any(v not in (True, False, None) for v in verdicts):
-        raise ValueError(f"verdicts must be True, False or None, got {verdicts}")
-    return False if False in verdicts else True if all(v is True for v in verdicts) else None
+    for v in verdicts:
+        if not (isinstance(v, bool) or v is None or v == NOT_TESTABLE):
+            raise ValueError(f"verdicts must be True, False, None or {NOT_TESTABLE!r}, got {verdicts}")
+    if False in verdicts:
+        return False
+    if NOT_TESTABLE in verdicts:
+        return NOT_TESTABLE
+    return True if all(v is True for v in verdicts) else None
