@@ -102,3 +102,30 @@ def test_cifar_is_skipped_with_a_note_when_the_archive_is_missing(tmp_path, monk
     printed = capsys.readouterr().out
     assert "CIFAR-10 skipped: cifar-10-python.tar.gz" in printed and "$SPHEREML_DATA/cifar-10/" in printed
     assert json.loads((tmp_path / "out" / "metrics.json").read_text())["cifar10_skipped"] is True
+
+
+def test_evaluate_recalibrates_running_statistics_once_after_each_fit(tmp_path, monkeypatch):
+    """The book's one rule: a network with BatchNorm is evaluated with statistics re-estimated from its training
+    data (once per fit), unless the chapter asks to see the stale ones."""
+    from sphereml import train
+    from sphereml.data import sphere_clusters
+
+    ch = chapter.Chapter("demo", profile="cpu", device="cpu", seed=0, output_dir=str(tmp_path))
+    data = sphere_clusters(3, 40, 6, concentration=3.0, seed=0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.BatchNorm1d(8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+    calls = []
+    monkeypatch.setattr(chapter, "recalibrate", lambda *a, **k: calls.append(1) or train.recalibrate(*a, **k))
+    ch.fit(model, data, epochs=1, lr=0.1)
+    assert not train.stats_fresh(model)
+    ch.evaluate(model, data, recalibrate=False)
+    assert calls == []
+    ch.evaluate(model, data)
+    ch.evaluate(model, data)
+    assert calls == [1] and train.stats_fresh(model)
+    ch.fit(model, data, epochs=1, lr=0.1)  # new weights: stale again
+    ch.collect(model.forward, data)
+    assert calls == [1, 1]
+    plain = torch.nn.Linear(6, 3)
+    ch.fit(plain, data, epochs=1)
+    ch.evaluate(plain, data)
+    assert calls == [1, 1]  # nothing to recalibrate

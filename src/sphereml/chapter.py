@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import textwrap
+import weakref
 from numbers import Number
 from pathlib import Path
 
@@ -28,13 +29,15 @@ import torch
 
 from . import _io, data, distributed, viz
 from ._checks import integer
-from .train import collect_outputs, evaluate, fit, resolve_device, seed_everything
+from .train import (collect_outputs, evaluate, fit, has_running_stats, recalibrate, resolve_device, seed_everything,
+                    stats_fresh)
 from .verdicts import NOT_TESTABLE, verdict_name
 
 __all__ = ["PROFILES", "resolve_profile", "repo_root", "resolve_output_dir", "show_value", "Chapter"]
 
 PROFILES = ("smoke", "cpu", "gpu")
 PAGE_WIDTH = 96  # characters of a printed line that fit the book's column
+RECALIBRATION_BATCHES = 40  # Chapter.recalibrate_if_stale: at most 40 x 256 training images
 
 
 def resolve_profile(profile: str = "auto") -> str:
@@ -107,6 +110,7 @@ class Chapter:
             "claims": [],
         }
         self.figures: list[str] = []
+        self._trained_on = weakref.WeakKeyDictionary()  # model -> the data ch.fit trained it on
         viz.set_style()
         self.write()
 
@@ -119,16 +123,32 @@ class Chapter:
 
     # ---------------------------------------------------------------- training on the chapter's device
     def fit(self, model, train_data, **kwargs):
-        """:func:`~sphereml.train.fit` on this chapter's device and seed, without a progress bar."""
+        """:func:`~sphereml.train.fit` on this chapter's device and seed, without a progress bar.  The training
+        data are remembered, so that :meth:`evaluate` can recalibrate the model's running statistics."""
         kwargs = {"device": self.device, "seed": self.seed, "progress": False, **kwargs}
+        self._trained_on[model] = train_data
         return fit(model, train_data, **kwargs)
 
-    def evaluate(self, model, data, **kwargs) -> dict:
-        """:func:`~sphereml.train.evaluate` on this chapter's device."""
+    def recalibrate_if_stale(self, model) -> None:
+        """The book's one rule for networks with running statistics (BatchNorm): before an evaluation, re-estimate
+        them from the data the model was trained on (:func:`~sphereml.train.recalibrate`, at most
+        ``RECALIBRATION_BATCHES`` batches), unless that was done since the model's last :meth:`fit`."""
+        if model in self._trained_on and has_running_stats(model) and not stats_fresh(model):
+            recalibrate(model, self._trained_on[model], device=self.device, max_batches=RECALIBRATION_BATCHES)
+
+    def evaluate(self, model, data, recalibrate: bool = True, **kwargs) -> dict:
+        """:func:`~sphereml.train.evaluate` on this chapter's device, after :meth:`recalibrate_if_stale` (unless
+        ``recalibrate=False``, e.g. to show what stale statistics do)."""
+        if recalibrate:
+            self.recalibrate_if_stale(model)
         return evaluate(model, data, **{"device": self.device, **kwargs})
 
     def collect(self, fn, data, **kwargs):
-        """:func:`~sphereml.train.collect_outputs` on this chapter's device: (outputs, labels) on the CPU."""
+        """:func:`~sphereml.train.collect_outputs` on this chapter's device: (outputs, labels) on the CPU; a
+        bound method of a trained model (``model.features``) sees recalibrated statistics too."""
+        owner = getattr(fn, "__self__", None)
+        if isinstance(owner, torch.nn.Module):
+            self.recalibrate_if_stale(owner)
         return collect_outputs(fn, data, **{"device": self.device, **kwargs})
 
     def cifar(self, num_classes: int = 10):

@@ -7,7 +7,9 @@ the same shape, differentiably.  They are the functional core of :mod:`sphereml.
   them (the thesis's Algorithm 1 and eqs. F.1-F.2 write it on columns): classic or modified (eq. F.3),
   unrolled in a loop of m steps.
 * :func:`householder` — Householder QR of the **columns** of U (eq. 7.3, Algorithm 3), unrolled, with
-  the stable choice of the reflection vector (``stable=False``: the authors' u = x - ||x|| e_1).
+  the stable choice of the reflection vector (``stable=False``: the authors' reflector u = x - ||x|| e_1;
+  the map still fixes the sign of the last column, which the authors' code leaves as it falls, so that
+  their Q has determinant (-1)^(m-1) and ours a non-negative diagonal of R).
 * :func:`qr_orthogonalize` — the same two maps computed by LAPACK's QR, with the signs fixed so
   that the triangular factor has a positive diagonal: ``rows=True`` equals :func:`gram_schmidt`,
   ``rows=False`` equals :func:`householder` (in exact arithmetic, and to rounding in practice).

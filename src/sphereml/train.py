@@ -41,7 +41,8 @@ from ._checks import integer, real_number
 
 __all__ = [
     "seed_everything", "resolve_device", "fit", "evaluate", "collect_outputs",
-    "History", "StepState", "Tracker", "default_loss", "num_steps", "batches", "recalibrate",
+    "History", "StepState", "Tracker", "default_loss", "num_steps", "batches", "recalibrate", "has_running_stats",
+    "stats_fresh",
 ]
 
 DEVICES = ("auto", "cpu", "cuda")
@@ -146,10 +147,8 @@ def default_loss(model: nn.Module, x: Tensor, y: Tensor) -> tuple[Tensor, Tensor
 
 def batches(data: Dataset, batch_size: int, shuffle: bool = False,
             generator: torch.Generator | None = None) -> Iterator:
-    """Tuples of tensors, ``batch_size`` samples each (the last may be smaller), in order or shuffled by ``generator``.
-
-    A TensorDataset is indexed directly (much faster than a DataLoader for in-memory data).
-    """
+    """Tuples of tensors, ``batch_size`` samples each (the last may be smaller), in order or shuffled by ``generator``
+    (a TensorDataset is indexed directly: much faster than a DataLoader for in-memory data)."""
     if isinstance(data, TensorDataset):  # fast path: index the tensors directly
         n = len(data)
         order = torch.randperm(n, generator=generator) if shuffle else torch.arange(n)
@@ -186,26 +185,12 @@ def _world(model: nn.Module) -> tuple[int, int] | None:
     return distributed.rank(), distributed.world_size()
 
 
-def fit(
-    model: nn.Module,
-    train_data: Dataset,
-    *,
-    epochs: int,
-    batch_size: int = 128,
-    lr: float = 1e-3,
-    optimizer: str | Callable = "adam",
-    weight_decay: float = 0.0,
-    momentum: float = 0.9,
-    scheduler: Callable | None = None,
-    loss_fn: LossFn | None = None,
-    regularizer: Callable[[], Tensor] | None = None,
-    callbacks: Iterable[Callable[[StepState], None]] = (),
-    val_data: Dataset | None = None,
-    device: str | torch.device = "auto",
-    seed: int = 0,
-    checkpoint: str | os.PathLike | None = None,
-    progress: bool = True,
-    compile: bool | str = False,
+def fit(model: nn.Module, train_data: Dataset, *, epochs: int, batch_size: int = 128, lr: float = 1e-3,
+        optimizer: str | Callable = "adam", weight_decay: float = 0.0, momentum: float = 0.9,
+        scheduler: Callable | None = None, loss_fn: LossFn | None = None,
+        regularizer: Callable[[], Tensor] | None = None, callbacks: Iterable[Callable[[StepState], None]] = (),
+        val_data: Dataset | None = None, device: str | torch.device = "auto", seed: int = 0,
+        checkpoint: str | os.PathLike | None = None, progress: bool = True, compile: bool | str = False,
 ) -> History:
     """Train ``model`` for ``epochs`` epochs and return its :class:`History`.
 
@@ -275,6 +260,7 @@ def fit(
 
     from tqdm import tqdm
 
+    model._sphereml_stats_fresh = False  # the weights move: running statistics lag them (see recalibrate)
     bar = tqdm(range(start_epoch, epochs), disable=not progress, desc="fit", leave=False)
     step = len(history.steps)
     for epoch in bar:
@@ -376,24 +362,19 @@ def _step_objective(model: nn.Module, loss_fn: LossFn, regularizer, compile) -> 
 @torch.no_grad()
 def recalibrate(model: nn.Module, data: Dataset, *, batch_size: int = 256, max_batches: int | None = None,
                 device: str | torch.device = "auto") -> int:
-    """Re-estimate every running statistic of ``model`` from ``data`` before an evaluation.
+    """Re-estimate every running statistic of ``model`` from ``data`` before an evaluation; returns how many modules.
 
-    BatchNorm's running mean and variance (and a decoupled layer's running E{||x||}) are exponential
-    averages collected while the weights were still moving, so early in training they lag the
-    statistics of the current network and eval-mode accuracy is misleading.  This resets every module
-    that has a ``reset_running_stats`` method, makes its average cumulative (``momentum = None``), runs the
-    batches of ``data`` (in order, the first ``max_batches``) through the model in training mode without
-    gradients, and puts momentum and mode back.  The parameters are untouched.
-
-    Returns:
-        the number of modules recalibrated.
+    BatchNorm's running mean and variance (and a decoupled layer's running E{||x||}) are exponential averages
+    collected while the weights were still moving, so they lag the current network and eval-mode accuracy is
+    misleading.  Every module with ``reset_running_stats`` is reset and made cumulative (``momentum = None``),
+    the batches of ``data`` (in order, the first ``max_batches``) run through the model in training mode
+    without gradients, and momentum and mode are put back.  The parameters are untouched.
     """
     integer("batch_size", batch_size, at_least=1)
     if max_batches is not None:
         integer("max_batches", max_batches, at_least=1)
     dev = resolve_device(device)
-    modules = [m for m in model.modules()
-               if callable(getattr(m, "reset_running_stats", None)) and hasattr(m, "momentum")]
+    modules = _with_running_stats(model)
     momenta = [m.momentum for m in modules]
     was_training = model.training
     for m in modules:
@@ -407,7 +388,22 @@ def recalibrate(model: nn.Module, data: Dataset, *, batch_size: int = 256, max_b
     for m, momentum in zip(modules, momenta):
         m.momentum = momentum
     model.train(was_training)
+    model._sphereml_stats_fresh = True  # until the next fit (see stats_fresh)
     return len(modules)
+
+
+def has_running_stats(model: nn.Module) -> bool:
+    """Whether ``model`` keeps running statistics (BatchNorm, a decoupled layer's running norm)."""
+    return bool(_with_running_stats(model))
+
+
+def _with_running_stats(model: nn.Module) -> list[nn.Module]:
+    return [m for m in model.modules() if callable(getattr(m, "reset_running_stats", None)) and hasattr(m, "momentum")]
+
+
+def stats_fresh(model: nn.Module) -> bool:
+    """Whether ``model``'s running statistics were recalibrated (:func:`recalibrate`) after its last :func:`fit`."""
+    return bool(getattr(model, "_sphereml_stats_fresh", False))
 
 
 @torch.no_grad()
