@@ -80,4 +80,4 @@ def test_every_claim_is_decided_by_sphereml_verdicts(path):
             holds = call.args[4]
         assert holds is not None, f"{path.stem}: a claim without a verdict at line {call.lineno}"
         assert _decided_by_verdicts(holds, assignments), \
-            f"{path.stem}: the claim at code line {call.lineno} decides {ast.unparse(holds)!r} without sphereml.verdicts"
+            f"{path.stem}: the claim at code line {call.lineno} decides {ast.unparse(holds)!r} without verdicts"

@@ -46,8 +46,8 @@ from .._checks import one_of, real_number
 from .gram import gram_energies
 from .kernels import METRICS
 
-__all__ = ["REDUCTIONS", "MERGE_WASTE", "MERGE_MAX", "buckets", "PointSets", "pair_weights", "SetEnergies", "LayerEnergies",
-           "RowPacking", "DeviceCache"]
+__all__ = ["REDUCTIONS", "MERGE_WASTE", "MERGE_MAX", "buckets", "PointSets", "pair_weights", "SetEnergies",
+           "LayerEnergies", "RowPacking", "DeviceCache"]
 
 REDUCTIONS = ("pair_mean", "pair_sum")
 
