@@ -68,12 +68,13 @@ def test_chapter_helpers_train_on_its_device(tmp_path):
 def test_claims_are_printed_and_recorded(tmp_path, capsys):
     ch = chapter.Chapter("demo", profile="cpu", device="cpu", seed=0, output_dir=str(tmp_path))
     returned = ch.claim("afs", "A-Softmax lowers the angular Fisher score below softmax", "thesis Table 2.3",
-                        ours={"softmax": 0.138, "A-Softmax": 0.116}, holds=0.116 < 0.138, paper=None)
+                        ours={"softmax": 0.138, "A-Softmax": 0.116}, holds=0.116 < 0.138, paper=None,
+                        kind="geometry/theory")
     assert returned is None  # nothing for a notebook cell to echo
     record = json.loads((tmp_path / "metrics.json").read_text())["claims"][0]
-    ch.claim("tie", "two heads differ", "thesis Table 2.4", ours=0.001, holds=None, paper=0.5)
+    ch.claim("tie", "two heads differ", "thesis Table 2.4", ours=0.001, holds=None, paper=0.5, kind="generalisation")
     ch.claim("afs", "A-Softmax lowers the angular Fisher score below softmax", "thesis Table 2.3",
-             ours={"softmax": 0.138, "A-Softmax": 0.2}, holds=False)  # the same id is replaced, not repeated
+             ours={"softmax": 0.138, "A-Softmax": 0.2}, holds=False, kind="geometry/theory")  # the same id is replaced, not repeated
     printed = capsys.readouterr().out
     assert "HOLDS: A-Softmax lowers" in printed and "ours: softmax 0.138, A-Softmax 0.116" in printed
     assert "NOT DISTINGUISHABLE: two heads differ" in printed and "paper: 0.5" in printed
@@ -81,10 +82,16 @@ def test_claims_are_printed_and_recorded(tmp_path, capsys):
     assert record["verdict"] == "holds" and record["profile"] == "cpu"
     saved = json.loads((tmp_path / "metrics.json").read_text())["claims"]
     assert [c["id"] for c in saved] == ["tie", "afs"] and saved[1]["verdict"] == "does not hold"
-    assert set(saved[0]) == {"id", "statement", "source", "paper", "ours", "profile", "verdict"}
+    assert set(saved[0]) == {"id", "statement", "source", "paper", "ours", "profile", "verdict", "kind"}
+    assert saved[0]["kind"] == "generalisation"
     with pytest.raises(ValueError, match="holds must be True, False, None or 'not testable'"):
-        ch.claim("x", "y", "z", ours=1, holds="yes")
-    ch.claim("arm", "a claim whose arm never trained", "thesis Table 7.5", ours=0.1, holds=verdicts.NOT_TESTABLE)
+        ch.claim("x", "y", "z", ours=1, holds="yes", kind="efficiency")
+    with pytest.raises(ValueError, match="kind must be one of"):
+        ch.claim("x", "y", "z", ours=1, holds=True, kind="speed")
+    with pytest.raises(TypeError):
+        ch.claim("x", "y", "z", ours=1, holds=True)  # every claim says what it is about
+    ch.claim("arm", "a claim whose arm never trained", "thesis Table 7.5", ours=0.1, holds=verdicts.NOT_TESTABLE,
+             kind="generalisation")
     ch.print_verdicts()
     summary = capsys.readouterr().out.splitlines()[-3:]
     assert summary == ["- not distinguishable: two heads differ (thesis Table 2.4)",

@@ -8,10 +8,12 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 CHAPTERS = sorted((REPO / "notebooks").glob("*.md"))
+# chapters that make no claim of their own: the conclusion weighs the other chapters' claims from the ledger
+NO_CLAIMS = {"10_conclusion"}
 # the per-chapter rules and collectors the book used to have, each replaced by sphereml.verdicts
 OWN_RULES = ("noise", "beats", "all_of", "seed_values", "over_seeds", "SEED_RANGE")
 # what a claim's verdict may be made from
-VERDICT_NAMES = {"holds", "equivalent", "every", "given", "within", "NOT_TESTABLE", "trains"}
+VERDICT_NAMES = {"holds", "equivalent", "at_most", "every", "given", "within", "NOT_TESTABLE", "trains"}
 
 
 def _code(path: Path) -> ast.Module:
@@ -73,6 +75,9 @@ def test_every_claim_is_decided_by_sphereml_verdicts(path):
                 assignments.setdefault(arg.arg, []).append(node)
     claims = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
               and n.func.attr == "claim"]
+    if path.stem in NO_CLAIMS:
+        assert not claims, f"{path.stem} is listed as making no claim but makes {len(claims)}"
+        return
     assert claims, f"{path.stem} makes no claim"
     for call in claims:
         holds = next((k.value for k in call.keywords if k.arg == "holds"), None)
@@ -81,3 +86,16 @@ def test_every_claim_is_decided_by_sphereml_verdicts(path):
         assert holds is not None, f"{path.stem}: a claim without a verdict at line {call.lineno}"
         assert _decided_by_verdicts(holds, assignments), \
             f"{path.stem}: the claim at code line {call.lineno} decides {ast.unparse(holds)!r} without verdicts"
+
+
+@pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.stem)
+def test_every_claim_says_what_it_is_about(path):
+    """Each claim carries a kind the conclusion groups by: a literal of CLAIM_KINDS, checked before any run."""
+    from sphereml.chapter import CLAIM_KINDS
+
+    calls = [n for n in ast.walk(_code(path)) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
+             and n.func.attr == "claim"]
+    for call in calls:
+        kind = next((k.value for k in call.keywords if k.arg == "kind"), None)
+        assert isinstance(kind, ast.Constant) and kind.value in CLAIM_KINDS, \
+            f"{path.stem}: the claim at code line {call.lineno} has no kind from {CLAIM_KINDS}"

@@ -56,7 +56,8 @@ def test_the_largest_term_wins():
 def test_numbers_are_a_claims_ours_dict():
     result = compare_over_seeds([0.8123, 0.8234], [0.8011, 0.8001], floor=0.005)
     numbers = result.numbers("MHE", "baseline", scale=100, digits=2)
-    assert list(numbers) == ["baseline", "MHE", "seeds", "noise", "seed s.d."]
+    assert list(numbers) == ["baseline", "MHE", "difference", "seeds", "noise", "seed s.d."]
+    assert numbers["difference"] == pytest.approx(100 * result.difference, abs=0.01) and numbers["difference"] > 0
     assert numbers["MHE"] == pytest.approx(81.78) and numbers["seeds"] == 2
     assert "seed s.d." not in compare_over_seeds([1.0], [0.0], floor=0.1).numbers("a", "b")
 
@@ -106,6 +107,17 @@ def test_equivalence_holds_only_when_the_whole_interval_is_inside_the_margin():
     assert far.equivalent(margin=0.05) is False
     with pytest.raises(ValueError, match="margin must be a finite number > 0"):
         tight.equivalent(margin=0.0)
+
+
+def test_at_most_is_one_sided():
+    much_worse = compare_over_seeds([0.60], [0.80], floor=0.02)  # a far below b: "a is not better" holds
+    assert much_worse.at_most(0.01) is True and much_worse.equivalent(0.01) is False
+    better = compare_over_seeds([0.90], [0.80], floor=0.02)  # interval [0.08, 0.12] above the margin
+    assert better.at_most(0.05) is False
+    close = compare_over_seeds([0.81], [0.80], floor=0.02)  # interval [-0.01, 0.03] straddles 0.02
+    assert close.at_most(0.02) is None and close.at_most(0.035) is True
+    with pytest.raises(ValueError, match="margin must be a finite number >= 0"):
+        close.at_most(float("nan"))
 
 
 def test_seed_table_collects_and_pairs_on_common_seeds():

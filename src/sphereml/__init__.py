@@ -33,6 +33,8 @@ One concept per module:
 * :mod:`~sphereml.viz` — the book's plotting style and helpers.
 * :mod:`~sphereml.chapter` — the chapter runtime: profiles, figures, metrics, claim records.
 * :mod:`~sphereml.ledger` — the claims ledger: every chapter's claim records gathered into one page.
+* ``sphereml.conclusion`` — chapter 10's reading of the ledger and the benchmarks; not imported here.
+* ``sphereml.errata`` — the errata page as data: entries by source and kind; not imported here.
 * ``sphereml.book`` — the papermill runner (``python -m sphereml.book``); not imported here.
 """
 

@@ -33,9 +33,16 @@ from .train import (collect_outputs, evaluate, fit, has_running_stats, recalibra
                     stats_fresh)
 from .verdicts import NOT_TESTABLE, verdict_name
 
-__all__ = ["PROFILES", "resolve_profile", "repo_root", "resolve_output_dir", "show_value", "Chapter"]
+__all__ = ["PROFILES", "CLAIM_KINDS", "resolve_profile", "repo_root", "resolve_output_dir", "show_value", "Chapter"]
 
 PROFILES = ("smoke", "cpu", "gpu")
+CLAIM_KINDS = (  # what a claim is about (thesis Ch. 8's three claims, and the rest)
+    "generalisation",  # accuracy on held-out data
+    "convergence",  # how fast or whether training goes
+    "robustness",  # accuracy under attack or perturbation
+    "efficiency",  # time or memory
+    "geometry/theory",  # an identity, a bound, a property of the representation or the weights
+)
 PAGE_WIDTH = 96  # characters of a printed line that fit the book's column
 RECALIBRATION_BATCHES = 40  # Chapter.recalibrate_if_stale: at most 40 x 256 training images
 
@@ -188,7 +195,7 @@ class Chapter:
         self.metrics.update(values)
         self.write()
 
-    def claim(self, id: str, statement: str, source: str, ours, holds, paper=None) -> None:
+    def claim(self, id: str, statement: str, source: str, ours, holds, paper=None, *, kind: str) -> None:
         """Print one verdict beside the numbers behind it, and store it as a record in ``metrics.json``.
 
         Args:
@@ -199,13 +206,16 @@ class Chapter:
             holds: the verdict from :mod:`sphereml.verdicts`: True (holds), False (does not hold), None (not
                 distinguishable) or ``verdicts.NOT_TESTABLE``.
             paper: the seed's value(s), if it gives any.
+            kind (str): what the claim is about, one of :data:`CLAIM_KINDS` (the conclusion groups by it).
         """
+        if kind not in CLAIM_KINDS:
+            raise ValueError(f"kind must be one of {CLAIM_KINDS}, got {kind!r}")
         try:
             verdict = verdict_name(holds)
         except ValueError:
             raise ValueError(f"holds must be True, False, None or {NOT_TESTABLE!r}, got {holds!r}") from None
         record = {"id": id, "statement": statement, "source": source, "paper": paper, "ours": ours,
-                  "profile": self.profile, "verdict": verdict}
+                  "profile": self.profile, "verdict": verdict, "kind": kind}
         self.metrics["claims"] = [c for c in self.metrics["claims"] if c["id"] != id] + [record]
         self.write()
         numbers = f"ours: {show_value(ours)}" + (f"; paper: {show_value(paper)}" if paper is not None else "")

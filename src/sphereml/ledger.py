@@ -1,7 +1,7 @@
 """The claims ledger: every chapter's claim records gathered into one page of the book.
 
 Each chapter states the seeds' headline claims with :meth:`~sphereml.chapter.Chapter.claim`, which
-stores a record (statement, source, the paper's value, ours, verdict) in the chapter's
+stores a record (statement, source, the paper's value, ours, verdict, kind) in the chapter's
 ``metrics.json``.  This module turns those records into ``book/claims.md``:
 
 * :func:`collect` reads the ``metrics.json`` of executed chapters (one run per chapter and profile) and
@@ -21,7 +21,7 @@ import json
 import os
 from pathlib import Path
 
-from .chapter import PROFILES, show_value
+from .chapter import CLAIM_KINDS, PROFILES, show_value
 from .verdicts import VERDICTS
 
 __all__ = ["LABELS", "collect", "render", "load_snapshot"]
@@ -41,7 +41,8 @@ def collect(metrics_paths, snapshot: dict | None = None, profiles: tuple[str, ..
 
     Args:
         metrics_paths: ``metrics.json`` files of chapter runs; runs of a profile not in ``profiles`` (a
-            ``smoke`` run) are skipped, and a run replaces the earlier entry of its chapter and profile.
+            ``smoke`` run) and runs without claims are skipped, and a run replaces the earlier entry of its
+            chapter and profile.
         snapshot (dict, optional): the snapshot to update.
         profiles (tuple[str]): the profiles the ledger reports.
 
@@ -52,8 +53,8 @@ def collect(metrics_paths, snapshot: dict | None = None, profiles: tuple[str, ..
     for path in metrics_paths:
         metrics = json.loads(Path(path).read_text())
         profile = metrics.get("profile")
-        if profile not in profiles or profile not in PROFILES:
-            continue
+        if profile not in profiles or profile not in PROFILES or not metrics.get("claims"):
+            continue  # a smoke run, or a chapter that makes no claim (the conclusion)
         entry = {field: metrics.get(field) for field in RUN_FIELDS}
         entry["claims"] = [_check_record(record, path) for record in metrics.get("claims", [])]
         snapshot["chapters"].setdefault(metrics["chapter"], {})[profile] = entry
@@ -62,10 +63,10 @@ def collect(metrics_paths, snapshot: dict | None = None, profiles: tuple[str, ..
 
 
 def _check_record(record: dict, path) -> dict:
-    missing = [key for key in ("id", "statement", "source", "verdict") if not record.get(key)]
-    if missing or record["verdict"] not in VERDICTS.values():
-        raise ValueError(f"claim record in {path} lacks {missing or 'a valid verdict'}: {record}")
-    return {key: record.get(key) for key in ("id", "statement", "source", "paper", "ours", "verdict")}
+    missing = [key for key in ("id", "statement", "source", "verdict", "kind") if not record.get(key)]
+    if missing or record["verdict"] not in VERDICTS.values() or record["kind"] not in CLAIM_KINDS:
+        raise ValueError(f"claim record in {path} lacks {missing or 'a valid verdict and kind'}: {record}")
+    return {key: record.get(key) for key in ("id", "statement", "source", "paper", "ours", "verdict", "kind")}
 
 
 def _cell(value) -> str:

@@ -14,8 +14,9 @@ vocabulary of the whole book, defined once in the preface and on the claims ledg
 
 :class:`SeedTable` collects results by variant and seed; :func:`compare_over_seeds` (or
 :meth:`SeedTable.compare`) pairs two variants seed by seed and compares the mean paired difference with a
-noise level; :meth:`SeedComparison.holds` and :meth:`SeedComparison.equivalent` are the verdicts of "a is
-larger than b" and "a and b do not differ"; :func:`trains`, :func:`given` and :func:`every` handle
+noise level; :meth:`SeedComparison.holds`, :meth:`SeedComparison.equivalent` and :meth:`SeedComparison.at_most` are
+the verdicts of "a is larger than b", "a and b do not differ" and "a is not larger than b by more than a
+margin"; :func:`trains`, :func:`given` and :func:`every` handle
 untrained arms, conditional claims and claims made for several cases; :func:`within` decides exact claims
 (closed forms, identities) at a stated tolerance.  A verdict is ``True`` (holds),
 ``False`` (does not hold), ``None`` (not distinguishable) or :data:`NOT_TESTABLE`, the values
@@ -92,7 +93,7 @@ class SeedComparison:
 
         True when the whole interval difference ± noise lies inside [-margin, margin]; False when it lies
         wholly outside; None otherwise.  A difference inside the noise is *not* evidence of no difference:
-        with a noise level wider than the margin, the verdict can only be None.
+        with a noise level wider than the margin, the verdict can never be True.
         """
         if not (math.isfinite(margin) and margin > 0):
             raise ValueError(f"margin must be a finite number > 0, got {margin}")
@@ -103,13 +104,30 @@ class SeedComparison:
             return False
         return None
 
+    def at_most(self, margin: float) -> bool | None:
+        """The verdict of "``a`` exceeds ``b`` by no more than ``margin``" (a one-sided, non-superiority test).
+
+        True when the whole interval lies at or below ``margin`` (difference + noise <= margin); False when
+        it lies wholly above (difference - noise > margin); None otherwise.  ``a`` far *below* ``b`` holds:
+        the claim says only that ``a`` is not better.
+        """
+        if not (math.isfinite(margin) and margin >= 0):
+            raise ValueError(f"margin must be a finite number >= 0, got {margin}")
+        if self.difference + self.noise <= margin:
+            return True
+        if self.difference - self.noise > margin:
+            return False
+        return None
+
     def numbers(self, name_a: str, name_b: str, scale: float = 1.0, digits: int = 4) -> dict:
-        """The values behind the verdict as a claim's ``ours`` dict: both means, seeds, noise, spread.
+        """The values behind the verdict as a claim's ``ours`` dict: both means, their difference (a - b,
+        signed as the claim reads), seeds, noise, spread.
 
         ``scale`` multiplies every value (100 for percent); ``digits`` rounds them.
         """
         out = {name_b: round(scale * self.mean_b, digits), name_a: round(scale * self.mean_a, digits),
-               "seeds": self.seeds, "noise": round(scale * self.noise, digits)}
+               "difference": round(scale * self.difference, digits), "seeds": self.seeds,
+               "noise": round(scale * self.noise, digits)}
         if self.spread is not None:
             out["seed s.d."] = round(scale * self.spread, digits)
         return out
