@@ -30,7 +30,7 @@ Note [batched energy]
     of its set's energy (1 / (n (n - 1)) for a pair mean; 0 on the diagonal and on padding), so a
     set's energy is one weighted sum and no boolean mask or data-dependent shape appears.
     Floors (Note [energy floor]) act as in every backend: r^2 >= eps, and for the angular metric
-    theta = arccos(cos) with the cosine clamped to |cos| <= 1 - eps/2; in float64 the arccos of a close
+    theta = arccos(cos) with the cosine clamped to ``|cos| <= 1 - eps/2``; in float64 the arccos of a close
     pair loses no more than the Gram estimate does, so it needs no arcsine branch either.
 """
 

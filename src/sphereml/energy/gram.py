@@ -39,7 +39,7 @@ def _angle_values(theta: Tensor, s: float) -> Tensor:
 
 
 def _angles(cos: Tensor, eps: float) -> Tensor:
-    """theta = arccos(cos), the cosine clamped to |cos| <= 1 - eps/2 (Note [energy floor]).  At the upper floor
+    """theta = arccos(cos), the cosine clamped to ``|cos| <= 1 - eps/2`` (Note [energy floor]).  At the upper floor
     the other backends take the close pair's 2 arcsin(sqrt(eps) / 2), the same angle as arccos(1 - eps/2)
     without its rounding (Note [close pairs]), so that constant is used there."""
     bound = 1 - 0.5 * eps
