@@ -43,12 +43,12 @@ test: $(STAMP)
 
 # Executes every chapter in profile auto (cpu without a GPU) through the execution cache.
 book: $(STAMP)
-	$(BIN)/jupyter-book build . $(JB_FLAGS)
+	SPHEREML_GLUE_FIGURES=1 $(BIN)/jupyter-book build . $(JB_FLAGS)
 	@echo "open _build/html/index.html"
 
 # Smoke build (CI): reuses the notebooks that `make test` executed (seeded into this cache).
 book-smoke: $(STAMP)
-	SPHEREML_PROFILE=smoke $(BIN)/jupyter-book build . --path-output _build/smoke $(JB_FLAGS)
+	SPHEREML_PROFILE=smoke SPHEREML_GLUE_FIGURES=1 $(BIN)/jupyter-book build . --path-output _build/smoke $(JB_FLAGS)
 
 bench: $(STAMP)
 	$(BIN)/python -m benchmarks

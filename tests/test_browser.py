@@ -16,7 +16,8 @@ from urllib.parse import unquote, urlsplit
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-SITE = REPO / "_build" / "smoke" / "_build" / "html"
+# the smoke build by default; $SPHEREML_SITE checks another (the cpu book: _build/html)
+SITE = Path(os.environ.get("SPHEREML_SITE", REPO / "_build" / "smoke" / "_build" / "html"))
 CHROMIUM, DRIVER = Path("/usr/bin/chromium"), Path("/usr/bin/chromedriver")
 
 pytestmark = [
@@ -28,19 +29,44 @@ PAGE_REPORT = """
 const done = arguments[arguments.length - 1];
 const report = () => {
   const art = document.querySelector('.bd-article') || document.body || document.documentElement;
+  const right = art.getBoundingClientRect().right + 1;
   const raw = (art.innerText.match(/\\\\\\(|\\\\\\[|\\$\\$|\\\\begin\\{/g) || []).length;
-  const boxes = art.querySelectorAll('pre, table, div.math, mjx-container[display="true"], .cell_output');
-  const wide = [...boxes].filter(e => e.clientWidth > 0 && e.scrollWidth > e.clientWidth + 1)
-                         .map(e => e.tagName + ' ' + e.scrollWidth + '>' + e.clientWidth);
+  // boxes that must not overflow themselves; code, outputs and display maths scroll inside their own box
+  const boxes = art.querySelectorAll('table, div.math, .cell_output:not(:has(pre)), .claim-card');
+  const scrolls = e => ['auto', 'scroll'].includes(getComputedStyle(e).overflowX);
+  const wide = [...boxes].filter(e => e.clientWidth > 0 && e.scrollWidth > e.clientWidth + 1 && !scrolls(e))
+                         .map(e => e.tagName + '.' + e.className + ' ' + e.scrollWidth + '>' + e.clientWidth);
+  // anything that reaches past the column and is not inside a box that scrolls or clips it
+  // (a .wide-table reaches into the page's empty right margin by design: _static/sphereml.css)
+  const clipped = e => { if (e.closest('.wide-table')) return true;
+    for (let a = e.parentElement; a && a !== art; a = a.parentElement) {
+      if (['auto', 'scroll', 'hidden'].includes(getComputedStyle(a).overflowX)) return true; } return false; };
+  const outside = [...art.querySelectorAll('table, pre, div.math, mjx-container, figure, img, .claim-card, p')]
+    .filter(e => e.getBoundingClientRect().right > right && !clipped(e))
+    .map(e => e.tagName + ' ' + Math.round(e.getBoundingClientRect().right) + '>' + Math.round(right));
+  // Markdown that reached the page as text: a pipe table's rule line outside any code
+  const rawTables = [...art.querySelectorAll('p, li, td, .cell_output pre')]
+    .filter(e => /\\|\\s*:?-{3,}:?\\s*\\|/.test(e.textContent)).map(e => e.textContent.slice(0, 60));
+  // Python dict reprs in outputs ({'key': value}): records and key-value dumps instead of prose or tables
+  const dicts = [...art.querySelectorAll('.cell_output')]
+    .filter(e => /\\{'[^'\\n]{1,60}': /.test(e.textContent)).map(e => e.textContent.trim().slice(0, 60));
+  // every figure of a chapter carries its number ("Fig. 3.1"); no image outside a numbered figure
+  const captions = [...art.querySelectorAll('figure')]
+    .filter(f => !/^Fig\\. \\d+\\.\\d+/.test((f.querySelector('.caption-number') || {}).textContent || ''))
+    .map(f => (f.textContent || '').trim().slice(0, 60));
+  const loose = [...art.querySelectorAll('.cell_output img')].filter(i => !i.closest('figure')).length;
   const broken = [...document.images].filter(i => !i.complete || i.naturalWidth === 0).map(i => i.src);
   done({page_scroll: document.documentElement.scrollWidth > document.documentElement.clientWidth,
-        raw_tex: raw, wide: wide, broken_images: broken,
+        raw_tex: raw, wide: wide, outside: outside, raw_tables: rawTables, dicts: dicts,
+        captions: captions, loose_images: loose, broken_images: broken,
+        header_bar: (h => h ? h.getBoundingClientRect().height : 0)(document.querySelector('header.bd-header')),
         formulas: art.querySelectorAll('mjx-container').length, has_math: !!art.querySelector('.math')});
 };
 if (window.MathJax && MathJax.startup && MathJax.startup.promise) {
   MathJax.startup.promise.then(report, report);
 } else { report(); }
 """
+WIDTHS = {"desktop": (1280, 900), "phone": (390, 844)}  # CSS pixels; the phone emulated (Chrome's windows are wider)
 
 
 class _Links(HTMLParser):
@@ -83,6 +109,7 @@ def driver():
                 "--host-resolver-rules=MAP * ~NOTFOUND",
                 f"--user-data-dir={REPO / '_build' / 'chromium-profile'}"):
         options.add_argument(arg)
+    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})  # the console, for errors
     options.binary_location = str(CHROMIUM)
     browser = webdriver.Chrome(service=Service(str(DRIVER)), options=options)
     browser.set_script_timeout(60)
@@ -90,31 +117,83 @@ def driver():
     browser.quit()
 
 
+def _emulate(driver, width: str) -> None:
+    """A desktop window, or a phone's viewport (390 CSS pixels, mobile) through the DevTools protocol."""
+    w, h = WIDTHS[width]
+    if width == "phone":
+        driver.execute_cdp_cmd("Emulation.setDeviceMetricsOverride",
+                               {"width": w, "height": h, "deviceScaleFactor": 1, "mobile": True})
+    else:
+        driver.execute_cdp_cmd("Emulation.clearDeviceMetricsOverride", {})
+        driver.set_window_size(w, h)
+
+
+def _page_problems(name: str, report: dict, width: str) -> list[str]:
+    problems = []
+    if report["has_math"] and report["formulas"] == 0:
+        problems.append(f"{name}: MathJax typeset nothing")
+    if report["raw_tex"]:
+        problems.append(f"{name}: {report['raw_tex']} raw TeX fragments")
+    if report["page_scroll"]:
+        problems.append(f"{name}: the page scrolls sideways at {width} width")
+    problems += [f"{name} ({width}): overflowing {w}" for w in report["wide"]]
+    problems += [f"{name} ({width}): wider than the column {w}" for w in report["outside"]]
+    problems += [f"{name}: a Markdown table shown as text: {t!r}" for t in report["raw_tables"]]
+    problems += [f"{name}: a Python dict in an output: {t!r}" for t in report["dicts"]]
+    if name.startswith("notebooks/"):  # a chapter's figures are numbered by the book; reference pages caption their own
+        problems += [f"{name}: a figure without its chapter number: {t!r}" for t in report["captions"]]
+        if report["loose_images"]:
+            problems.append(f"{name}: {report['loose_images']} output images outside a numbered figure")
+    problems += [f"{name}: image not loaded {src}" for src in report["broken_images"]]
+    if report["header_bar"]:
+        problems.append(f"{name}: the theme's empty header bar is shown ({report['header_bar']:.0f} px)")
+    return problems
+
+
 def test_every_page_renders_within_the_column(driver):
+    """At a desktop's and a phone's width: formulas typeset, nothing wider than the column, no Markdown as
+    text, no dict dumps, numbered figures, no errors on the console."""
     shots = REPO / "_build" / "screenshots"
     shots.mkdir(parents=True, exist_ok=True)
     problems, formulas = [], 0
     pages = _pages()
     assert len(pages) >= 12, f"only {len(pages)} pages built"
-    for page in pages:
-        if 'http-equiv="refresh"' in page.read_text(encoding="utf-8").lower():
-            continue  # a redirect (index.html -> the preface) has no content; the page it names is checked
-        driver.get(page.as_uri())
-        report = driver.execute_async_script(PAGE_REPORT)
-        driver.save_screenshot(str(shots / f"{page.stem}.png"))
-        name = page.relative_to(SITE).as_posix()
-        formulas += report["formulas"]
-        if report["has_math"] and report["formulas"] == 0:
-            problems.append(f"{name}: MathJax typeset nothing")
-        for key in ("raw_tex",):
-            if report[key]:
-                problems.append(f"{name}: {report[key]} raw TeX fragments")
-        if report["page_scroll"]:
-            problems.append(f"{name}: the page scrolls sideways at 1280 px")
-        problems += [f"{name}: overflowing {w}" for w in report["wide"]]
-        problems += [f"{name}: image not loaded {src}" for src in report["broken_images"]]
-    print(f"{len(pages)} pages checked, {formulas} formulas typeset")
+    for width, size in WIDTHS.items():
+        _emulate(driver, width)
+        for page in pages:
+            if 'http-equiv="refresh"' in page.read_text(encoding="utf-8").lower():
+                continue  # a redirect (index.html -> the preface) has no content; the page it names is checked
+            driver.get(page.as_uri())
+            report = driver.execute_async_script(PAGE_REPORT)
+            driver.save_screenshot(str(shots / f"{page.stem}-{width}.png"))
+            name = page.relative_to(SITE).as_posix()
+            formulas += report["formulas"]
+            problems += [p for p in _page_problems(name, report, width) if p not in problems]
+            problems += [f"{name}: console error {entry['message'][:160]}" for entry in driver.get_log("browser")
+                         if entry["level"] == "SEVERE"]
+    print(f"{len(pages)} pages checked at {len(WIDTHS)} widths, {formulas} formulas typeset")
     assert not problems, "\n".join(problems)
+
+
+def test_the_page_checks_catch_what_they_look_for(driver, tmp_path):
+    """The checks above on a page made to fail each of them: they are not vacuous."""
+    page = tmp_path / "bad.html"
+    page.write_text("""<html><body><article class="bd-article" style="width:300px">
+<p>| a | b |<br>|---|---|</p>
+<div class="cell_output"><pre>{'id': 'x', 'paper': {'drop': 0.15}}</pre></div>
+<figure><img src="data:image/gif;base64,R0lGODlhAQABAAAAACw="><figcaption>Figure 1. a caption</figcaption></figure>
+<div class="cell_output"><img src="data:image/gif;base64,R0lGODlhAQABAAAAACw="></div>
+<p style="width:600px">a paragraph wider than the column</p>
+<script>console.error("boom")</script>
+</article></body></html>""")
+    _emulate(driver, "desktop")
+    driver.get(page.as_uri())
+    problems = _page_problems("notebooks/bad.html", driver.execute_async_script(PAGE_REPORT), "desktop")
+    console = [e for e in driver.get_log("browser") if e["level"] == "SEVERE"]
+    assert console, "a console error went unseen"
+    for what in ("a Markdown table shown as text", "a Python dict in an output", "without its chapter number",
+                 "outside a numbered figure", "wider than the column"):
+        assert any(what in p for p in problems), f"{what!r} not caught: {problems}"
 
 
 def test_every_internal_link_and_anchor_resolves():
@@ -152,3 +231,24 @@ def test_citations_resolve_to_the_bibliography():
         cited |= {m for m in re.findall(r'href="[^"]*bibliography\.html#([^"]+)"', page.read_text(encoding="utf-8"))}
     assert cited, "no citation links found"
     assert cited <= entries, f"citations without an entry: {sorted(cited - entries)}"
+
+
+def test_the_download_button_gives_each_chapter_executed():
+    """The page's download button links _sources/notebooks/NAME.ipynb: the notebook as executed for the page,
+    figures visible (no glue-only outputs); the archive on the reproducing page holds every chapter."""
+    import json
+    import zipfile
+
+    if not (SITE / "index.html").is_file():
+        pytest.fail("no smoke build: run `make book-smoke` first")
+    chapters = sorted((SITE / "_sources" / "notebooks").glob("*.ipynb"))
+    assert len(chapters) >= 9
+    for path in chapters:
+        cells = [c for c in json.loads(path.read_text())["cells"] if c["cell_type"] == "code"]
+        outputs = [o for c in cells for o in c.get("outputs", [])]
+        assert outputs, f"{path.name}: no outputs"
+        hidden = [k for o in outputs for k in o.get("data", {}) if k.startswith("application/papermill.record/")]
+        assert not hidden, f"{path.name}: glued outputs Jupyter would not show: {hidden[:3]}"
+        assert any("image/png" in o.get("data", {}) for o in outputs), f"{path.name}: no figure"
+    with zipfile.ZipFile(SITE / "_downloads" / "sphereml-chapters-executed.zip") as archive:
+        assert sorted(archive.namelist()) == [p.name for p in chapters]

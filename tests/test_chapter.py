@@ -65,7 +65,7 @@ def test_chapter_helpers_train_on_its_device(tmp_path):
     assert features.shape == (60, 4) and labels.shape == (60,)
 
 
-def test_claims_are_printed_and_recorded(tmp_path, capsys):
+def test_claims_are_shown_and_recorded(tmp_path, capsys):
     ch = chapter.Chapter("demo", profile="cpu", device="cpu", seed=0, output_dir=str(tmp_path))
     returned = ch.claim("afs", "A-Softmax lowers the angular Fisher score below softmax", "thesis Table 2.3",
                         ours={"softmax": 0.138, "A-Softmax": 0.116}, holds=0.116 < 0.138, paper=None,
@@ -76,9 +76,8 @@ def test_claims_are_printed_and_recorded(tmp_path, capsys):
     ch.claim("afs", "A-Softmax lowers the angular Fisher score below softmax", "thesis Table 2.3",
              ours={"softmax": 0.138, "A-Softmax": 0.2}, holds=False, kind="geometry/theory")  # the same id is replaced, not repeated
     printed = capsys.readouterr().out
-    assert "HOLDS: A-Softmax lowers" in printed and "ours: softmax 0.138, A-Softmax 0.116" in printed
-    assert "NOT DISTINGUISHABLE: two heads differ" in printed and "paper: 0.5" in printed
-    assert all(len(line) <= chapter.PAGE_WIDTH for line in printed.splitlines())
+    assert "[holds] A-Softmax lowers" in printed and "ours: softmax 0.138; A-Softmax 0.116" in printed
+    assert "[not distinguishable] two heads differ" in printed and "source: 0.5" in printed
     assert record["verdict"] == "holds" and record["profile"] == "cpu"
     saved = json.loads((tmp_path / "metrics.json").read_text())["claims"]
     assert [c["id"] for c in saved] == ["tie", "afs"] and saved[1]["verdict"] == "does not hold"
@@ -92,11 +91,11 @@ def test_claims_are_printed_and_recorded(tmp_path, capsys):
         ch.claim("x", "y", "z", ours=1, holds=True)  # every claim says what it is about
     ch.claim("arm", "a claim whose arm never trained", "thesis Table 7.5", ours=0.1, holds=verdicts.NOT_TESTABLE,
              kind="generalisation")
-    ch.print_verdicts()
+    ch.show_verdicts()
     summary = capsys.readouterr().out.splitlines()[-3:]
-    assert summary == ["- not distinguishable: two heads differ (thesis Table 2.4)",
-                       "- does not hold: A-Softmax lowers the angular Fisher score below softmax (thesis Table 2.3)",
-                       "- not testable: a claim whose arm never trained (thesis Table 7.5)"]
+    assert summary == ["- [not distinguishable] two heads differ (thesis Table 2.4)",
+                       "- [does not hold] A-Softmax lowers the angular Fisher score below softmax (thesis Table 2.3)",
+                       "- [not testable] a claim whose arm never trained (thesis Table 7.5)"]
 
 
 def test_cifar_is_skipped_with_a_note_when_the_archive_is_missing(tmp_path, monkeypatch, capsys):

@@ -141,6 +141,27 @@ def test_interrupted_download_leaves_nothing(tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_fetch_fashion_mnist_verifies_present_files_and_downloads_missing_ones(tiny_fashion, monkeypatch):
+    remote, arrays = tiny_fashion
+    monkeypatch.delenv("SPHEREML_NO_DOWNLOAD", raising=False)
+    monkeypatch.setattr(data, "_FASHION_MNIST_URL", remote.as_uri() + "/")
+    monkeypatch.setattr(data, "search_paths", lambda name, root=None: [Path(root)])  # this machine's copy unseen
+    local = remote / "local"
+    local.mkdir()
+    train_images = data._FASHION_MNIST_FILES[("train", "images")][0] + ".gz"
+    (local / train_images).write_bytes((remote / train_images).read_bytes())  # one file already here
+    paths = data.fetch_fashion_mnist(root=local)
+    assert [p.parent for p in paths] == [local] * 4 and sorted(p.name for p in local.iterdir()) == sorted(
+        p.name for p in paths)
+    assert data.load_fashion_mnist("test", root=local).tensors[1].tolist() == [4, 5]
+    (local / train_images).write_bytes(gzip.compress(b"not the images"))
+    with pytest.raises(DataError, match=train_images.removesuffix(".gz")):
+        data.fetch_fashion_mnist(root=local)  # a corrupt file is named, not used
+    monkeypatch.setenv("SPHEREML_NO_DOWNLOAD", "1")
+    with pytest.raises(RuntimeError, match="SPHEREML_NO_DOWNLOAD"):
+        data.fetch_fashion_mnist(root=remote / "empty")
+
+
 def test_downloads_refused_during_tests(tmp_path):
     with pytest.raises(RuntimeError, match="SPHEREML_NO_DOWNLOAD"):
         data.download_file("http://example.invalid/x", tmp_path / "x.bin", "0" * 64)

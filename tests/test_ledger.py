@@ -84,8 +84,10 @@ def test_collect_merges_profiles_skips_smoke_and_replaces_reruns(tmp_path):
     snapshot = ledger.collect([rerun], snapshot)
     assert snapshot["chapters"]["01_a"]["cpu"]["claims"][0]["verdict"] == "not distinguishable"
     page = ledger.render(snapshot)
-    assert "| not distinguishable |" in page and "The four verdicts" in page
-    assert "a \\| b" in page and "a 0.12346" in page  # pipes escaped, numbers shortened
+    assert '"verdict-badge verdict-not-distinguishable">not distinguishable<' in page
+    assert "{include} verdicts.md" in page and "The four verdicts" in (REPO / "book" / "verdicts.md").read_text()
+    assert "a | b</a>" in page and "a 0.1235" in page  # one HTML block, numbers shortened
+    assert "\n\n" not in page[page.index("<table"):page.index("</table>")]  # no blank line ends the block
     assert "- `cpu` profile: 1 claims from 1 chapters: 0 holds, 0 does not hold, 1 not distinguishable, " \
            "0 not testable." in page
 
@@ -94,7 +96,11 @@ def test_render_marks_missing_profiles_and_collect_rejects_bad_records(tmp_path)
     snapshot = ledger.collect([_metrics(tmp_path, "02_b", "cpu", [_claim("z", paper=0.7)])])
     page = ledger.render(snapshot)
     assert "- `gpu` profile: not yet run for the ledger." in page
-    assert page.count("not yet run |") == 1  # the gpu verdict column of the one row
+    assert "(gpu)" not in page  # no gpu columns while no chapter has gpu records
+    both = ledger.collect([_metrics(tmp_path / "g", "02_b", "gpu", [_claim("y")])], snapshot)
+    page = ledger.render(both)
+    assert page.count("verdict (gpu)") == 3  # the heading and the two rows' phone labels
+    assert page.count(">not run<") == 4  # ours and verdict: z has no gpu run, y no cpu run
     bad = _metrics(tmp_path / "bad", "03_c", "cpu", [_claim("w", verdict="maybe")])
     with pytest.raises(ValueError, match="valid verdict"):
         ledger.collect([bad])

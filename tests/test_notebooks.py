@@ -80,6 +80,7 @@ def test_pairing_has_not_drifted(name):
 def offline_smoke(monkeypatch):
     """The smoke profile, and no network for the kernels papermill starts (they inherit PYTHONPATH)."""
     monkeypatch.setenv("SPHEREML_PROFILE", "smoke")
+    monkeypatch.setenv("SPHEREML_GLUE_FIGURES", "1")  # figures glued for the book's numbered captions (viz)
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(OFFLINE), os.environ.get("PYTHONPATH")])))
 
 
@@ -175,13 +176,14 @@ def test_chapter_opens_with_a_box_linking_the_code_it_uses(name):
     imported = set(re.findall(r"^from sphereml\.([a-z_]+) import", source, re.M))
     for group in re.findall(r"^from sphereml import \(?([a-z_, ]+)", source, re.M):
         imported |= {n.split(" as ")[0].strip() for n in group.split(",") if n.strip()}
-    plumbing = {"chapter", "viz", "data", "timing", "train", "book"}
+    plumbing = {"chapter", "viz", "data", "timing", "train", "book", "report"}
     missing = sorted(m for m in imported - plumbing if f"{{py:mod}}`sphereml.{m}`" not in box)
     assert not missing, f"{name}'s code box does not link {missing}"
 
 
 def pinned_cells(notebook) -> nbformat.NotebookNode:
-    """The cells tagged ``regression`` with their source and text outputs (stdout and plain-text results)."""
+    """The cells tagged ``regression`` with their source and text outputs (stdout, plain-text results, and the
+    text of rich displays other than images: a claim card reads ``[holds] statement (source)`` and its numbers)."""
     kept = nbformat.v4.new_notebook()
     tagged = [c for c in notebook.cells if "regression" in c.metadata.get("tags", [])]
     for i, cell in enumerate(tagged):
@@ -194,6 +196,9 @@ def pinned_cells(notebook) -> nbformat.NotebookNode:
             if out.output_type == "execute_result" and "text/plain" in out.data:
                 pinned.outputs.append(nbformat.v4.new_output("execute_result", {"text/plain": out.data["text/plain"]},
                                                              execution_count=None))
+            elif out.output_type == "display_data" and "text/plain" in out.data and not any(
+                    mime.startswith("image/") for mime in out.data):
+                pinned.outputs.append(nbformat.v4.new_output("display_data", {"text/plain": out.data["text/plain"]}))
         kept.cells.append(pinned)
     return kept
 

@@ -43,3 +43,16 @@ def test_image_grid_places_every_image():
     with pytest.raises(ValueError, match=r"Tensor\[N, 1, H, W\]"):
         viz.image_grid(ax, torch.zeros(2, 3, 4, 4), nrow=2)
     plt.close(fig)
+
+
+def test_figures_are_glued_only_in_a_kernel_executing_for_the_book(tmp_path, monkeypatch):
+    """Outside a notebook kernel (a script, these tests) a figure is never glued, whatever the environment;
+    in a kernel only when $SPHEREML_GLUE_FIGURES is 1 (the book build), so a reader's Jupyter shows it."""
+    fig, ax = plt.subplots()
+    ax.plot([0, 1], [1, 0])
+    monkeypatch.setenv("SPHEREML_GLUE_FIGURES", "1")
+    assert viz._glue("key", fig) is False  # no kernel here
+    monkeypatch.setenv("SPHEREML_GLUE_FIGURES", "0")
+    assert viz._glue("key", fig) is False
+    path = viz.save_and_show(fig, tmp_path / "fig", show=True, glue_as="key")
+    assert path.is_file() and not plt.get_fignums()

@@ -32,6 +32,7 @@ One concept per module:
 * :mod:`~sphereml.launches` — operations per step counted and host reads refused, on the CPU.
 * :mod:`~sphereml.viz` — the book's plotting style and helpers.
 * :mod:`~sphereml.chapter` — the chapter runtime: profiles, figures, metrics, claim records.
+* :mod:`~sphereml.report` — claims as a reader sees them: verdict badges, claim cards, verdict tables.
 * :mod:`~sphereml.ledger` — the claims ledger: every chapter's claim records gathered into one page.
 * ``sphereml.conclusion`` — chapter 10's reading of the ledger and the benchmarks; not imported here.
 * ``sphereml.errata`` — the errata page as data: entries by source and kind; not imported here.
@@ -40,7 +41,7 @@ One concept per module:
 
 from . import (angular, attacks, chapter, comhe, comhe_functional, convsim, data, decoupled, decoupled_training,
                distributed, energy, geometry, launches, ledger, margins, metrics, models, opt, orthogonalizers,
-               patches, regularizers, schedules, scs, sphereconv, timing, train, verdicts, viz)
+               patches, regularizers, report, schedules, scs, sphereconv, timing, train, verdicts, viz)
 from .geometry import angle_matrix, cosine_matrix, normalize, safe_angle, sample_sphere
 from .train import evaluate, fit, resolve_device, seed_everything
 
@@ -49,8 +50,8 @@ __version__ = "0.1.0"
 __all__ = [
     "angular", "attacks", "chapter", "comhe", "comhe_functional", "convsim", "data", "decoupled",
     "decoupled_training", "distributed", "energy", "geometry", "launches", "ledger", "margins", "metrics", "models",
-    "opt", "orthogonalizers", "patches", "regularizers", "schedules", "scs", "sphereconv", "timing", "train",
-    "verdicts", "viz",
+    "opt", "orthogonalizers", "patches", "regularizers", "report", "schedules", "scs", "sphereconv", "timing",
+    "train", "verdicts", "viz",
     "normalize", "cosine_matrix", "safe_angle", "angle_matrix", "sample_sphere",
     "fit", "evaluate", "resolve_device", "seed_everything", "__version__",
 ]

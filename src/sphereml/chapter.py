@@ -13,7 +13,7 @@ available, else ``cpu``.  Every chapter opens with::
 
 and then uses ``ch.pick(smoke=…, cpu=…, gpu=…)`` for sizes, ``ch.fit`` / ``ch.evaluate`` /
 ``ch.collect`` to train on its device, ``ch.savefig`` for figures, ``ch.record`` for numbers and
-``ch.claim`` for each verdict it prints.
+``ch.claim`` for each verdict it shows, and ``ch.show_verdicts()`` for its summary.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from . import _io, data, distributed, viz
 from ._checks import integer
 from .train import (collect_outputs, evaluate, fit, has_running_stats, recalibrate, resolve_device, seed_everything,
                     stats_fresh)
+from .report import ClaimCard, VerdictTable, show
 from .verdicts import NOT_TESTABLE, verdict_name
 
 __all__ = ["PROFILES", "CLAIM_KINDS", "resolve_profile", "repo_root", "resolve_output_dir", "show_value", "Chapter"]
@@ -181,11 +182,15 @@ class Chapter:
 
     # ---------------------------------------------------------------- outputs
     def savefig(self, fig, name: str, show: bool = True) -> None:
-        """Save ``fig`` as ``<output_dir>/<name>.png``, list it in the metrics, and show it (rank 0 only)."""
+        """Save ``fig`` as ``<output_dir>/<name>.png``, list it in the metrics, and show it (rank 0 only).
+
+        In the book the figure is glued under ``name`` and appears where the chapter's ``{glue:figure}``
+        directive gives it its number and caption (:func:`sphereml.viz.save_and_show`).
+        """
         if not distributed.is_main_process():
             plt.close(fig)
             return
-        path = viz.save_and_show(fig, self.output_dir / f"{name}.png", show=show)
+        path = viz.save_and_show(fig, self.output_dir / f"{name}.png", show=show, glue_as=name)
         self.figures.append(path.name)
         self.metrics["figures"] = sorted(set(self.figures))
         self.write()
@@ -196,7 +201,8 @@ class Chapter:
         self.write()
 
     def claim(self, id: str, statement: str, source: str, ours, holds, paper=None, *, kind: str) -> None:
-        """Print one verdict beside the numbers behind it, and store it as a record in ``metrics.json``.
+        """Show one verdict beside the numbers behind it (a :class:`~sphereml.report.ClaimCard`), and store it
+        as a record in ``metrics.json``.
 
         Args:
             id (str): a short stable identifier, unique within the chapter (e.g. ``"afs-asoftmax"``).
@@ -218,17 +224,11 @@ class Chapter:
                   "profile": self.profile, "verdict": verdict, "kind": kind}
         self.metrics["claims"] = [c for c in self.metrics["claims"] if c["id"] != id] + [record]
         self.write()
-        numbers = f"ours: {show_value(ours)}" + (f"; paper: {show_value(paper)}" if paper is not None else "")
-        lines = textwrap.wrap(f"{record['verdict'].upper()}: {statement} ({source})", PAGE_WIDTH,
-                              subsequent_indent="    ")
-        lines += textwrap.wrap(numbers, PAGE_WIDTH, initial_indent="    ", subsequent_indent="    ")
-        print("\n".join(lines))
+        show(ClaimCard(record))
 
-    def print_verdicts(self) -> None:
-        """Print every claim recorded so far as one line: verdict, statement, source (for a chapter's summary)."""
-        for record in self.metrics["claims"]:
-            line = f"- {record['verdict']}: {record['statement']} ({record['source']})"
-            print(textwrap.fill(line, PAGE_WIDTH, subsequent_indent="  "))
+    def show_verdicts(self) -> None:
+        """Show every claim recorded so far as one table (verdict, claim, source, kind): a chapter's summary."""
+        show(VerdictTable(self.metrics["claims"]))
 
     def write(self) -> Path:
         """Rewrite ``metrics.json`` (rank 0 only: every rank holds the same results)."""

@@ -34,6 +34,7 @@ __all__ = [
     "DataError",
     "FASHION_MNIST_CLASSES",
     "load_fashion_mnist",
+    "fetch_fashion_mnist",
     "load_digits",
     "find_cifar", "load_cifar",
     "RandomCropFlip",
@@ -178,6 +179,26 @@ def _find_fashion_file(stem: str, checksum: str, root, download: bool) -> tuple[
         f"Fashion-MNIST file {stem}(.gz) not found in: {looked}. Install the Debian package "
         "dataset-fashion-mnist, set $SPHEREML_DATA, or pass download=True."
     )
+
+
+def fetch_fashion_mnist(root=None) -> list[Path]:
+    """Make sure the four Fashion-MNIST files are on this machine: each one found in :func:`search_paths` is
+    verified against its SHA-256, each missing one is downloaded (verified before it is moved into place) to
+    ``root`` or the user cache.  A chapter's set-up cell calls this in a fresh Jupyter or Colab session.
+
+    Returns:
+        list[Path]: the four files.
+
+    Raises:
+        DataError: a file is corrupt, or a download failed.
+        RuntimeError: a file is missing and ``$SPHEREML_NO_DOWNLOAD`` is set.
+    """
+    paths = []
+    for stem, checksum in _FASHION_MNIST_FILES.values():
+        path, gz = _find_fashion_file(stem, checksum, root, download=True)
+        _read_verified(path, checksum, gz=gz)
+        paths.append(path)
+    return paths
 
 
 def load_fashion_mnist(split: str = "train", root=None, download: bool = False) -> TensorDataset:

@@ -21,7 +21,8 @@ import json
 import os
 from pathlib import Path
 
-from .chapter import CLAIM_KINDS, PROFILES, show_value
+from .chapter import CLAIM_KINDS, PROFILES
+from .report import ledger_table
 from .verdicts import VERDICTS
 
 __all__ = ["LABELS", "collect", "render", "load_snapshot"]
@@ -69,12 +70,6 @@ def _check_record(record: dict, path) -> dict:
     return {key: record.get(key) for key in ("id", "statement", "source", "paper", "ours", "verdict", "kind")}
 
 
-def _cell(value) -> str:
-    """Text for one table cell: numbers shortened, pipes escaped, on one line."""
-    text = value if isinstance(value, str) else show_value(value)
-    return text.replace("|", "\\|").replace("\n", " ")
-
-
 def _summary(snapshot: dict) -> list[str]:
     lines = []
     for profile in ("cpu", "gpu"):
@@ -89,22 +84,14 @@ def _summary(snapshot: dict) -> list[str]:
     return lines
 
 
-def _chapter_rows(name: str, runs: dict) -> list[str]:
-    ids = list(dict.fromkeys(r["id"] for profile in ("cpu", "gpu") for r in runs.get(profile, {}).get("claims", [])))
-    by_profile = {p: {r["id"]: r for r in runs.get(p, {}).get("claims", [])} for p in ("cpu", "gpu")}
-    rows = ["| claim | source | paper | ours (`cpu`) | verdict (`cpu`) | verdict (`gpu`) |",
-            "|---|---|---|---|---|---|"]
-    for claim_id in ids:
-        cpu, gpu = by_profile["cpu"].get(claim_id), by_profile["gpu"].get(claim_id)
-        record = cpu or gpu
-        paper = "–" if record.get("paper") is None else _cell(record["paper"])
-        rows.append(f"| {_cell(record['statement'])} | {_cell(record['source'])} | {paper} | "
-                    f"{_cell(cpu['ours']) if cpu else 'not yet run'} | "
-                    f"{LABELS[cpu['verdict']] if cpu else 'not yet run'} | "
-                    f"{LABELS[gpu['verdict']] if gpu else 'not yet run'} |")
-    devices = "; ".join(f"`{p}`: {runs[p]['device_name']}, torch {runs[p]['torch']}" for p in ("cpu", "gpu")
-                        if p in runs)
-    return [f"## {{doc}}`/notebooks/{name}`", "", f"Runs: {devices}.", ""] + rows + [""]
+def _runs(snapshot: dict) -> list[str]:
+    """One line per chapter: the device and torch behind each profile's run."""
+    lines = []
+    for name, runs in snapshot["chapters"].items():
+        devices = "; ".join(f"`{p}` on {runs[p]['device_name']}, torch {runs[p]['torch']}"
+                            for p in ("cpu", "gpu") if p in runs)
+        lines.append(f"- {{doc}}`/notebooks/{name}`: {devices}.")
+    return lines
 
 
 def render(snapshot: dict) -> str:
@@ -119,34 +106,27 @@ def render(snapshot: dict) -> str:
         "makes it, the source's value, ours, and the verdict. This page gathers those records from the last",
         "run of each chapter in each profile.",
         "",
-        ":::{admonition} The four verdicts",
-        "Every verdict of the book comes from one rule ({py:mod}`sphereml.verdicts`): variants are paired",
-        "seed by seed, and a difference counts only beyond a *noise level*, the largest of a floor the",
-        "chapter states, the binomial error of the evaluation set and the seed-to-seed spread (a 95 % t",
-        "interval of the mean paired difference).",
+        "```{include} verdicts.md",
+        "```",
         "",
-        "- **holds** — the effect has the claimed sign and clears the noise level; for a claim of *no*",
-        "  *difference*, the whole interval (difference ± noise) lies inside the margin the chapter states.",
-        "- **does not hold** — the effect clears the noise level the other way (for no difference: the",
-        "  whole interval lies outside the margin).",
-        "- **not distinguishable** — neither: at this scale the data cannot decide.",
-        "- **not testable** — the comparison cannot speak to the claim: an arm never trained (it stayed at",
-        "  chance), the source says the measure is unreliable at our scale, or the control the claim rests",
-        "  on failed.",
-        "",
-        "*not yet run* marks a profile that has not been run for the ledger. A `cpu` verdict is about a",
-        "small network trained briefly on a data subset: it speaks for the direction of an effect at that",
-        "scale, not for the paper's setting.",
-        ":::",
-        "",
-        "Values are shown as each chapter records them, so their units differ (fractions, percentages,",
-        "error rates): the chapter says which.",
+        "The table lists every claim once, with the chapter that tests it (the link opens the claim where",
+        "the chapter shows it). Click a column's heading to sort by it; type in the box to keep only the rows",
+        "that contain the text (a chapter number, a word of the claim, a verdict). Values are shown as each",
+        "chapter records them, so their units differ (fractions, percentages, error rates): the chapter says",
+        "which. A `cpu` verdict is about a small network trained briefly on a data subset: it speaks for the",
+        "direction of an effect at that scale, not for the source's setting.",
         "",
         "**Summary.**",
         "",
         *_summary(snapshot),
         "",
+        '<input type="search" id="claims-filter" class="ledger-filter" placeholder="Filter the claims" '
+        'aria-label="Filter the claims">',
+        "",
+        ledger_table(snapshot),
+        "",
+        "**Runs behind the table.**",
+        "",
+        *_runs(snapshot),
     ]
-    for name, runs in snapshot["chapters"].items():
-        lines += _chapter_rows(name, runs)
     return "\n".join(lines).rstrip() + "\n"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import matplotlib.pyplot as plt
@@ -26,17 +27,40 @@ def set_style() -> None:
     })
 
 
-def save_and_show(fig: plt.Figure, path: str | Path, show: bool = True) -> Path:
-    """Save ``fig`` to ``path`` (PNG unless the suffix says otherwise), then display and close it."""
+def save_and_show(fig: plt.Figure, path: str | Path, show: bool = True, glue_as: str | None = None) -> Path:
+    """Save ``fig`` to ``path`` (PNG unless the suffix says otherwise), then display and close it.
+
+    With ``glue_as``, a notebook executed for the book (``$SPHEREML_GLUE_FIGURES`` is 1: ``make book``,
+    ``make book-smoke`` and the tests that seed their cache set it) stores the figure with myst-nb's glue
+    under that key instead of showing it in the cell: a ``{glue:figure}`` directive in the text places it
+    with its numbered caption, so the code cell keeps only its printed output.  Everywhere else (a reader's
+    Jupyter or Colab session, ``python -m sphereml.book run``) the figure is shown as usual.
+    """
     path = Path(path)
     if not path.suffix:
         path = path.with_suffix(".png")
     with _io.atomic_path(path) as tmp:  # a killed run leaves the old figure or the new one, never half of one
         fig.savefig(tmp, format=path.suffix[1:])
-    if show:
+    if show and not (glue_as and _glue(glue_as, fig)):
         plt.show()
     plt.close(fig)
     return path
+
+
+def _glue(key: str, fig: plt.Figure) -> bool:
+    """Glue ``fig`` under ``key`` in a notebook executed for the book; True if glued."""
+    if os.environ.get("SPHEREML_GLUE_FIGURES") != "1":
+        return False
+    try:
+        from IPython import get_ipython
+        from myst_nb import glue
+    except ImportError:
+        return False
+    shell = get_ipython()
+    if shell is None or not hasattr(shell, "kernel"):
+        return False
+    glue(key, fig, display=False)
+    return True
 
 
 def _np(x) -> np.ndarray:
