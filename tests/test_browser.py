@@ -17,7 +17,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 # the smoke build by default; $SPHEREML_SITE checks another (the cpu book: _build/html)
-SITE = Path(os.environ.get("SPHEREML_SITE", REPO / "_build" / "smoke" / "_build" / "html"))
+SITE = Path(os.environ.get("SPHEREML_SITE", REPO / "_build" / "smoke" / "_build" / "html")).resolve()
 CHROMIUM, DRIVER = Path("/usr/bin/chromium"), Path("/usr/bin/chromedriver")
 
 pytestmark = [
@@ -60,6 +60,7 @@ const report = () => {
         raw_tex: raw, wide: wide, outside: outside, raw_tables: rawTables, dicts: dicts,
         captions: captions, loose_images: loose, broken_images: broken,
         header_bar: (h => h ? h.getBoundingClientRect().height : 0)(document.querySelector('header.bd-header')),
+        launch_buttons: !!document.querySelector('.dropdown-launch-buttons'),
         formulas: art.querySelectorAll('mjx-container').length, has_math: !!art.querySelector('.math')});
 };
 if (window.MathJax && MathJax.startup && MathJax.startup.promise) {
@@ -145,6 +146,8 @@ def _page_problems(name: str, report: dict, width: str) -> list[str]:
         if report["loose_images"]:
             problems.append(f"{name}: {report['loose_images']} output images outside a numbered figure")
     problems += [f"{name}: image not loaded {src}" for src in report["broken_images"]]
+    if report["launch_buttons"] and not name.startswith("notebooks/"):
+        problems.append(f"{name}: Binder / Colab buttons on a page that is not a chapter")
     if report["header_bar"]:
         problems.append(f"{name}: the theme's empty header bar is shown ({report['header_bar']:.0f} px)")
     return problems
