@@ -1,5 +1,6 @@
 # sphereml — one entry point for set-up, tests, the book and benchmarks.
 #   make test   create the environment if missing, then run the whole test suite (notebooks included)
+#   make test-fast   the same without chapters, subprocesses, slow tests and the browser (while working)
 #   make book   create the environment if missing, execute every chapter (profile auto) and build _build/html
 SHELL := /bin/bash
 PYTHON ?= python3
@@ -12,7 +13,7 @@ STAMP := $(VENV)/.sphereml-installed
 JB_FLAGS := -W --keep-going
 PYTEST_ARGS ?=
 
-.PHONY: setup torch-index test book book-smoke bench sync clean
+.PHONY: setup torch-index test test-fast book book-smoke bench sync clean
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml
@@ -40,6 +41,11 @@ torch-index:
 
 test: $(STAMP)
 	SPHEREML_NO_DOWNLOAD=1 $(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# Everything but the chapters (notebook), other processes (subprocess), single tests over ~10 s (slow) and the
+# browser: the loop to run while editing the library; `make test` before committing.
+test-fast: $(STAMP)
+	SPHEREML_NO_DOWNLOAD=1 $(BIN)/python -m pytest -q -m "not notebook and not subprocess and not slow and not browser" $(PYTEST_ARGS)
 
 # Executes every chapter in profile auto (cpu without a GPU) through the execution cache.
 book: $(STAMP)

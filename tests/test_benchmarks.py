@@ -10,9 +10,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 def test_the_whole_suite_runs_in_smoke_mode(tmp_path):
     env = {**os.environ, "SPHEREML_BENCH_SMOKE": "1", "SPHEREML_BENCH_RESULTS": str(tmp_path),
            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO / "src"), str(REPO), os.environ.get("PYTHONPATH")]))}

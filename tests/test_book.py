@@ -49,6 +49,7 @@ def tiny_chapter(tmp_path):
     return folder
 
 
+@pytest.mark.subprocess
 def test_run_chapter_with_parameters(tiny_chapter, tmp_path):
     out = tmp_path / "out"
     executed = book.run_chapter("tiny", {"profile": "smoke", "repeats": "5"}, out, tiny_chapter)
@@ -66,6 +67,7 @@ def test_run_chapter_rejects_unknown_parameters_and_chapters(tiny_chapter, tmp_p
         book.run_chapter("nope", {}, tmp_path, tiny_chapter)
 
 
+@pytest.mark.subprocess
 def test_cli_exit_codes(tiny_chapter, tmp_path):
     def cli(*args):
         return subprocess.run([sys.executable, "-m", "sphereml.book", "run", "tiny", "--notebooks",
@@ -87,6 +89,7 @@ def test_the_package_does_not_import_the_runner():
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "False"
 
 
+@pytest.mark.subprocess
 def test_cache_seeding_matches_the_book_s_hash(tiny_chapter, tmp_path):
     from jupyter_cache import get_cache
 

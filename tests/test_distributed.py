@@ -7,6 +7,8 @@ import torch.multiprocessing as mp
 
 from sphereml import comhe, energy, regularizers
 
+pytestmark = pytest.mark.subprocess  # every test here spawns ranks
+
 WORLD = 2
 
 
