@@ -1,10 +1,13 @@
-"""Compressive minimum hyperspherical energy, CoMHE (thesis Ch. 6, App. E).
+r"""Compressive minimum hyperspherical energy, CoMHE (thesis Ch. 6, App. E).
 
 MHE struggles in high dimension: random neurons there are already nearly orthogonal (App. E.3), the
 energy landscape has many stationary points (§6.3.1) and its gradients are small.  CoMHE maps the neurons
-to a low-dimensional sphere first and minimises the energy there (eq. 6.3)::
+to a low-dimensional sphere first and minimises the energy there (eq. 6.3):
 
-    E^C_s = sum_{i != j} f_s(|| g(w_i) - g(w_j) ||),   g(w) = P w / ||P w||,   P in R^{k x d}.
+.. math::
+
+    E^C_s = \sum_{i \ne j} f_s\big(\lVert g(w_i) - g(w_j) \rVert\big), \qquad
+    g(w) = \frac{P w}{\lVert P w \rVert}, \qquad P \in \mathbb{R}^{k \times d}.
 
 Functional core (:mod:`~sphereml.comhe_functional`, the readable references): :func:`projected_energies`
 (their mean is RP-CoMHE, eq. 6.4, their max eq. 6.5), :func:`angle_distortion` (L_P of eq. 6.6) and its

@@ -341,7 +341,7 @@ class RandomCropFlip(Dataset):
 def sphere_clusters(
     num_classes: int, per_class: int, dim: int, concentration: float = 10.0, seed: int = 0
 ) -> TensorDataset:
-    """Points on S^{dim-1} clustered around random class centres.
+    """Points on the sphere :math:`S^{d-1}` (:math:`d` = ``dim``) clustered around random class centres.
 
     Each point is normalize(concentration * mu_c + z) with z ~ N(0, I): a simple
     stand-in for a von Mises-Fisher mixture whose spread falls as ``concentration`` grows.

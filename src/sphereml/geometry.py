@@ -1,4 +1,4 @@
-"""Geometry on the unit hypersphere S^{d-1}.
+"""Geometry on the unit hypersphere :math:`S^{d-1}`.
 
 Thesis Ch. 1 (eq. 1.1) motivates measuring similarity by angle rather than by
 Euclidean distance or inner product; every later chapter uses the helpers here.
@@ -127,7 +127,7 @@ def sample_sphere(
     dtype: torch.dtype | None = None,
     device: torch.device | str | None = None,
 ) -> Tensor:
-    """Draw ``n`` points uniformly from S^{d-1} (normalised standard Gaussians).
+    """Draw ``n`` points uniformly from :math:`S^{d-1}` (normalised standard Gaussians).
 
     The Gaussian is rotation invariant, so its direction is uniform on the sphere.
 
@@ -159,13 +159,16 @@ def integer_margin(m) -> int:
 
 
 def chebyshev_cos(cos: Tensor, m: int) -> Tensor:
-    """cos(m theta) as a polynomial in c = cos(theta): the multiple-angle formula (thesis eq. 2.7).
+    r""":math:`\cos(m\theta)` as a polynomial in :math:`c = \cos\theta`: the multiple-angle formula (thesis eq. 2.7).
 
-    cos(m theta) = sum_{n=0}^{floor(m/2)} (-1)^n C(m, 2n) c^(m-2n) (1 - c^2)^n, which is the
-    Chebyshev polynomial T_m(c).  It is evaluated by the three-term recurrence
-    T_0 = 1, T_1 = c, T_{n+1} = 2 c T_n - T_{n-1}, which is the same polynomial and
-    stable on [-1, 1]; no arccos is involved, so the gradient T_m'(c) is finite
-    everywhere (at most m^2 in magnitude on [-1, 1]).
+    .. math::
+
+        \cos(m\theta) = \sum_{n=0}^{\lfloor m/2 \rfloor} (-1)^n \binom{m}{2n} c^{m-2n} (1 - c^2)^n = T_m(c),
+
+    the Chebyshev polynomial of degree :math:`m`.  It is evaluated by the three-term recurrence
+    :math:`T_0 = 1`, :math:`T_1 = c`, :math:`T_{n+1} = 2 c T_n - T_{n-1}`, which is the same polynomial and
+    stable on :math:`[-1, 1]`; no arccos is involved, so the gradient :math:`T_m'(c)` is finite
+    everywhere (at most :math:`m^2` in magnitude on :math:`[-1, 1]`).
 
     Args:
         cos (Tensor): cosines, any shape.

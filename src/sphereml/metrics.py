@@ -153,10 +153,11 @@ def polar_angle_accuracy(train_features, train_labels, test_features, test_label
 
 
 def angular_fisher_score(features: Tensor, labels: Tensor) -> float:
-    """Angular Fisher score S_w / S_b (thesis App. A.5, eq. A.1); lower is more discriminative.
+    r"""Angular Fisher score :math:`S_w / S_b` (thesis App. A.5, eq. A.1); lower is more discriminative.
 
-    S_w = sum_i sum_{x in X_i} (1 - cos<x, m_i>) and S_b = sum_i n_i (1 - cos<m_i, m>),
-    where m_i is the mean of class i and m the overall mean.  The thesis does not say
+    :math:`S_w = \sum_i \sum_{x \in X_i} (1 - \cos\langle x, m_i \rangle)` and
+    :math:`S_b = \sum_i n_i (1 - \cos\langle m_i, m \rangle)`, where :math:`m_i` is the mean of class
+    :math:`i` and :math:`m` the overall mean.  The thesis does not say
     whether the means are taken over raw or normalised features; we average the unit
     features, so the score depends on directions only (invariant to rescaling any sample).
 

@@ -68,10 +68,11 @@ def _unit(x: Tensor) -> Tensor:
 
 
 def gram_schmidt(u: Tensor, modified: bool = False) -> Tensor:
-    """Orthonormalise the rows of ``u`` in order, unrolled (thesis Algorithm 1; eq. F.3 when ``modified``).
+    r"""Orthonormalise the rows of ``u`` in order, unrolled (thesis Algorithm 1; eq. F.3 when ``modified``).
 
-    Classic: e_i = t_i / ||t_i|| with t_i = u_i - sum_{j<i} <u_i, e_j> e_j.  Modified: the projection
-    on e_i is removed from every later row as soon as e_i is known, which loses less orthogonality
+    Classic: :math:`e_i = t_i / \lVert t_i \rVert` with
+    :math:`t_i = u_i - \sum_{j<i} \langle u_i, e_j \rangle e_j`.  Modified: the projection
+    on :math:`e_i` is removed from every later row as soon as :math:`e_i` is known, which loses less orthogonality
     when U is ill-conditioned.  Both are the map of :func:`qr_orthogonalize` with ``rows=True``.
 
     Args:

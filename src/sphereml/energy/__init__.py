@@ -218,11 +218,14 @@ def energy_metric(w: Tensor, s: float = 2.0, metric: str = "euclidean", half_spa
 
 
 def output_energy(weight: Tensor, labels: Tensor, s: float = 2.0, eps: float = 1e-7) -> Tensor:
-    """The data-dependent output-layer MHE of SphereFace+ (thesis eq. 5.8, second term).
+    r"""The data-dependent output-layer MHE of SphereFace+ (thesis eq. 5.8, second term),
 
-    (1 / (m (N - 1))) sum_i sum_{j != y_i} f_s(||w_hat_{y_i} - w_hat_j||): each sample pushes its
-    own class weight away from all other class weights, so only the classes present in the
-    batch receive a repulsive gradient of their own.  Close classes are exact as in
+    .. math::
+
+        \frac{1}{m (N - 1)} \sum_{i=1}^{m} \sum_{j \ne y_i} f_s\big(\lVert \hat w_{y_i} - \hat w_j \rVert\big):
+
+    each sample pushes its own class weight away from all other class weights, so only the classes
+    present in the batch receive a repulsive gradient of their own.  Close classes are exact as in
     :func:`hyperspherical_energy` (Note [close pairs] in :mod:`~sphereml.energy.kernels`).
 
     Args:
