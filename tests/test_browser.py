@@ -94,7 +94,7 @@ def _pages() -> list[Path]:
 
 
 @pytest.fixture(scope="module")
-def driver():
+def driver(tmp_path_factory):
     if not (SITE / "index.html").is_file():
         pytest.fail("no smoke build: run `make book-smoke` first")
     if not (CHROMIUM.is_file() and DRIVER.is_file()):
@@ -103,12 +103,13 @@ def driver():
     from selenium.webdriver.chrome.options import Options
     from selenium.webdriver.chrome.service import Service
 
+    profile = tmp_path_factory.mktemp("chromium-profile")  # a first visit every run, as a new reader's
     options = Options()
     for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
                 "--disable-component-update", "--disable-sync", "--window-size=1280,900",
                 # the network off even on a machine that has one: every host name fails to resolve
                 "--host-resolver-rules=MAP * ~NOTFOUND",
-                f"--user-data-dir={REPO / '_build' / 'chromium-profile'}"):
+                f"--user-data-dir={profile}"):
         options.add_argument(arg)
     options.set_capability("goog:loggingPrefs", {"browser": "ALL"})  # the console, for errors
     options.binary_location = str(CHROMIUM)

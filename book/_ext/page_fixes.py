@@ -1,9 +1,11 @@
-"""Sphinx extension: each script once per page.
+"""Sphinx extension: pages that load without errors on the console.
 
-sphinx-thebe registers its configuration script each time Sphinx reads sources, so an incremental or
-multi-pass build puts ``const THEBE_JS_URL = ...`` on a page twice, and the browser reports a SyntaxError
-on every page.  This drops repeated scripts (same file, or same inline body and attributes) from a page's
-context before it is written.
+* Each script once per page: sphinx-thebe registers its configuration script each time Sphinx reads
+  sources, so a page gets ``const THEBE_JS_URL = ...`` twice and the browser reports a SyntaxError.  Repeated
+  scripts (same file, or same inline body and attributes) are dropped from a page's context.
+* A first visit: the theme reads the colour mode from the browser's storage, finds none, and logs "Got
+  invalid theme mode" as an error before falling back to ``auto``.  A one-line script gives it ``auto``
+  first.
 """
 
 
@@ -24,7 +26,11 @@ def drop_repeated_scripts(app, pagename, templatename, context, doctree):
     context["script_files"][:] = kept
 
 
+FIRST_VISIT_MODE = 'if (!document.documentElement.dataset.mode) { document.documentElement.dataset.mode = "auto"; }'
+
+
 def setup(app):
+    app.add_js_file(None, body=FIRST_VISIT_MODE, priority=100)
     # first: a theme's handler that returns a template name ends the event for the handlers after it
     app.connect("html-page-context", drop_repeated_scripts, priority=1)
     return {"parallel_read_safe": True, "parallel_write_safe": True}
