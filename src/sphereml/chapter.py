@@ -21,7 +21,6 @@ from __future__ import annotations
 import os
 import textwrap
 import weakref
-from numbers import Number
 from pathlib import Path
 
 import matplotlib.pyplot as plt
@@ -34,7 +33,7 @@ from .train import (collect_outputs, evaluate, fit, has_running_stats, recalibra
 from .report import ClaimCard, VerdictTable, show
 from .verdicts import NOT_TESTABLE, verdict_name
 
-__all__ = ["PROFILES", "CLAIM_KINDS", "resolve_profile", "repo_root", "resolve_output_dir", "show_value", "Chapter"]
+__all__ = ["PROFILES", "CLAIM_KINDS", "resolve_profile", "repo_root", "resolve_output_dir", "Chapter"]
 
 PROFILES = ("smoke", "cpu", "gpu")
 CLAIM_KINDS = (  # what a claim is about (thesis Ch. 8's three claims, and the rest)
@@ -74,19 +73,6 @@ def resolve_output_dir(chapter: str, output_dir: str | os.PathLike = "") -> Path
     if os.environ.get("SPHEREML_OUTPUT"):
         return Path(os.environ["SPHEREML_OUTPUT"])
     return (repo_root() or Path.cwd()) / "_build" / "runs" / chapter
-
-
-def show_value(value) -> str:
-    """A compact text form of a claim's number(s): 5 significant digits, dicts as ``key value`` pairs."""
-    if isinstance(value, bool) or value is None:
-        return str(value)
-    if isinstance(value, Number):
-        return f"{value:.5g}"
-    if isinstance(value, dict):
-        return ", ".join(f"{k} {show_value(v)}" for k, v in value.items())
-    if isinstance(value, (list, tuple)):
-        return "[" + ", ".join(show_value(v) for v in value) + "]"
-    return str(value)
 
 
 class Chapter:
