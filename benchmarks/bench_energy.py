@@ -1,8 +1,8 @@
 """Hyperspherical energy, forward + backward, s = 2: tiled (and Triton on a GPU) against dense.
 
 Each measurement runs in a fresh subprocess (``python -m benchmarks.bench_energy --worker SPEC``),
-so that its peak memory belongs to that backend alone (CPU: resident set, ``ru_maxrss``; CUDA:
-peak allocated device memory), and under a timeout, so one slow case cannot eat the run.
+so that its peak memory belongs to that backend alone (:class:`sphereml.timing.PeakMemory`: the
+resident set or the allocated device memory above what the process held before), and under a timeout, so one slow case cannot eat the run.
 Times are medians of 3 runs, except the slow single runs (dense on the CPU, N = 65,536,
 N = 2^20).
 
@@ -35,13 +35,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import torch
+
+from sphereml.timing import PeakMemory, median_seconds
 
 from . import harness
 
@@ -58,30 +59,6 @@ def _smoke() -> bool:
 
 # ---------------------------------------------------------------- the worker (one subprocess per case)
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
-def _rss() -> int:
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-def _reset_peak(device: torch.device) -> int:
-    """Start a peak-memory window; returns the baseline that :func:`_peak` subtracts (CPU: current max RSS)."""
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-        return 0
-    return _rss()
-
-
-def _peak(device: torch.device, base: int) -> int:
-    return torch.cuda.max_memory_allocated() if device.type == "cuda" else _rss() - base
-
-
 def _points(n: int, d: int, device: torch.device, dtype=torch.float32) -> torch.Tensor:
     if device.type == "cuda" and n * d > 2**26:  # N = 2^20: draw on the device
         return torch.randn(n, d, device=device, generator=torch.Generator(device).manual_seed(0)).to(dtype)
@@ -89,14 +66,7 @@ def _points(n: int, d: int, device: torch.device, dtype=torch.float32) -> torch.
 
 
 def _median_time(fn, device: torch.device, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        _sync(device)
-        start = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return median_seconds(fn, device, repeats, warmup=0)  # cases warm up themselves, on a smaller input
 
 
 def _energy_step(w: torch.Tensor, backend: str):
@@ -150,16 +120,15 @@ def _case_fwd_bwd(spec: dict, device: torch.device) -> dict:
     n, d, backend, repeats = spec["n"], spec["d"], spec["backend"], spec["repeats"]
     w = _points(n, d, device).requires_grad_(True)
     if backend == "gram":
-        base = _reset_peak(device)
-        out = {"seconds": _median_time(_three_grams(w.detach()), device, repeats)}
+        with PeakMemory(device) as peak:
+            out = {"seconds": _median_time(_three_grams(w.detach()), device, repeats)}
     else:
         _energy_step(w[:256].detach().clone().requires_grad_(True), backend)()  # warm-up (and Triton compile)
-        base = _reset_peak(device)
-        out = {"seconds": _median_time(_energy_step(w, backend), device, repeats)}
-        if spec.get("forward"):
-            out["forward_seconds"] = _median_time(_energy_forward(w, backend), device, repeats)
-    out["peak_bytes"] = _peak(device, base)
-    return out
+        with PeakMemory(device) as peak:
+            out = {"seconds": _median_time(_energy_step(w, backend), device, repeats)}
+            if spec.get("forward"):
+                out["forward_seconds"] = _median_time(_energy_forward(w, backend), device, repeats)
+    return {**out, "peak_bytes": peak.bytes}
 
 
 def _config(kernel) -> str:
@@ -191,20 +160,20 @@ def _case_triton_suite(spec: dict, device: torch.device) -> dict:
         step = _energy_step(w, "triton")
         started = time.perf_counter()
         step()  # compile and autotune at this size (the autotuning key holds the precision)
-        _sync(device)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
         tune_seconds = time.perf_counter() - started
         value = hyperspherical_energy(w, s=2.0, backend="triton")
         w.grad = None
         value.backward()
         errors = {"value_relative_error": _relative_error(value, exact_value),
                   "grad_relative_error": _relative_error(w.grad, exact_grad)}
-        base = _reset_peak(device)
-        seconds = _median_time(step, device, repeats)
-        peak = _peak(device, base)
+        with PeakMemory(device) as peak:
+            seconds = _median_time(step, device, repeats)
         runs[precision] = {"seconds": seconds, "forward_seconds": _median_time(_energy_forward(w, "triton"), device,
                                                                                repeats),
                            "gram_seconds": _median_time(_three_grams(w.detach()), device, repeats),
-                           "peak_bytes": peak, "first_call_seconds": tune_seconds, **errors,
+                           "peak_bytes": peak.bytes, "first_call_seconds": tune_seconds, **errors,
                            "forward_config": _config(kernels.forward_kernel),
                            "backward_config": _config(kernels.backward_kernel)}
     torch.set_float32_matmul_precision("highest")
@@ -243,9 +212,9 @@ def _case_huge(spec: dict, device: torch.device) -> dict:
     torch.set_float32_matmul_precision(spec["precision"])
     w = _points(spec["n"], spec["d"], device).requires_grad_(True)
     _energy_step(w[:TUNE_CAP].detach().clone().requires_grad_(True), "triton")()  # compile + autotune
-    base = _reset_peak(device)
-    seconds = _median_time(_energy_step(w, "triton"), device, 1)
-    return {"seconds": seconds, "peak_bytes": _peak(device, base), "finite_grad": bool(torch.isfinite(w.grad).all())}
+    with PeakMemory(device) as peak:
+        seconds = _median_time(_energy_step(w, "triton"), device, 1)
+    return {"seconds": seconds, "peak_bytes": peak.bytes, "finite_grad": bool(torch.isfinite(w.grad).all())}
 
 
 CASES = {"fwd_bwd": _case_fwd_bwd, "triton_suite": _case_triton_suite, "crossover": _case_crossover,

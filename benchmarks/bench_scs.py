@@ -11,8 +11,9 @@ from __future__ import annotations
 import torch
 
 from sphereml.scs import SharpenedCosineSimilarity2d, scs_conv2d_reference
+from sphereml.timing import forward_backward
 
-from .harness import compare, forward_backward, smoke_or
+from .harness import compare, smoke_or
 
 K = 3
 SIZES = [(32, 64, 32), (128, 128, 32)]  # (batch, channels, side); the second on CUDA only

@@ -16,8 +16,9 @@ from __future__ import annotations
 import torch
 
 from sphereml.sphereconv import SphereConv2d, sphere_conv2d_reference
+from sphereml.timing import forward_backward
 
-from .harness import compare, forward_backward, smoke_or
+from .harness import compare, smoke_or
 
 K = 3
 CPU_SIZES = [(32, 64, 32)]  # (batch, channels, side)

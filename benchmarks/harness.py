@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 from pathlib import Path
 from typing import Callable
@@ -13,7 +12,7 @@ from sphereml.launches import count_ops
 from sphereml.timing import compare as compare_round_robin
 from sphereml.timing import device_name, environment, peak_memory, save_result, training_step
 
-__all__ = ["RESULTS", "SMOKE", "smoke_or", "compare", "device_name", "environment", "save", "forward_backward",
+__all__ = ["RESULTS", "SMOKE", "smoke_or", "compare", "device_name", "environment", "save",
            "training_step"]
 
 # SPHEREML_BENCH_RESULTS sends the JSON elsewhere (the smoke test writes to a temporary folder).
@@ -51,22 +50,3 @@ def compare(name: str, candidates: dict[str, Callable[[], object]], baseline: st
         print(f"{name:30s} {line}   {shown}{ops}")
     save(result, name, device)
     return result
-
-
-def forward_backward(operators: dict[str, Callable], x: torch.Tensor, target: torch.Tensor,
-                     dtype: torch.dtype | None = None) -> dict[str, Callable[[], None]]:
-    """One forward + backward step per operator (label -> ``op(x)``): the candidates of a layer benchmark.
-
-    Each step clears ``x.grad``, runs ``op(x)`` (under autocast to ``dtype`` when given) and back-propagates
-    ``sum(op(x) * target)``, the same work for every candidate.
-    """
-    cast = (lambda: torch.autocast(x.device.type, dtype=dtype)) if dtype is not None else contextlib.nullcontext
-
-    def step(op):
-        x.grad = None
-        with cast():
-            out = op(x)
-        (out.float() * target).sum().backward()
-
-    return {label: (lambda op=op: step(op)) for label, op in operators.items()}
-

@@ -1,4 +1,5 @@
-"""The whole benchmark suite end to end at tiny sizes (SPHEREML_BENCH_SMOKE=1), so the harness never rots.
+"""The whole benchmark suite end to end at tiny sizes (SPHEREML_BENCH_SMOKE=1), so the harness never rots: the one
+place a benchmark runs in the tests.
 
 Timings are never pass/fail: the test checks that every benchmark runs and writes its JSON with the device,
 versions and date that the report page (book/benchmarks.md) labels it with.
@@ -15,12 +16,16 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 
+PATH = os.pathsep.join(filter(None, [str(REPO / "src"), str(REPO), os.environ.get("PYTHONPATH")]))
+# bench_energy has its own test below (its CPU plan in detail, its CUDA plan interpreted): the others run here
+OTHERS = sorted(p.stem[len("bench_"):] for p in (REPO / "benchmarks").glob("bench_*.py") if p.stem != "bench_energy")
+
+
 @pytest.mark.slow
 def test_the_whole_suite_runs_in_smoke_mode(tmp_path):
-    env = {**os.environ, "SPHEREML_BENCH_SMOKE": "1", "SPHEREML_BENCH_RESULTS": str(tmp_path),
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO / "src"), str(REPO), os.environ.get("PYTHONPATH")]))}
-    run = subprocess.run([sys.executable, "-m", "benchmarks"], cwd=REPO, env=env, capture_output=True, text=True,
-                         timeout=900)
+    env = {**os.environ, "SPHEREML_BENCH_SMOKE": "1", "SPHEREML_BENCH_RESULTS": str(tmp_path), "PYTHONPATH": PATH}
+    run = subprocess.run([sys.executable, "-m", "benchmarks", *OTHERS], cwd=REPO, env=env, capture_output=True,
+                         text=True, timeout=900)
     assert run.returncode == 0, run.stderr[-3000:]
     # on a GPU box the suite runs on CUDA: the files are then *-cuda.json
     written = {p.stem.rsplit("-", 1)[0]: json.loads(p.read_text()) for p in tmp_path.glob("*.json")}
@@ -34,8 +39,33 @@ def test_the_whole_suite_runs_in_smoke_mode(tmp_path):
         if ratios:
             baseline = ratios[0][len("ratio_to_"):]
             assert result[ratios[0]][baseline] == 1.0 and set(result[ratios[0]]) == set(result["seconds"])
-    assert "energy: smoke run, nothing saved" in run.stdout
     assert not list((REPO / "benchmarks" / "results").glob("*_s8-*.json")), "a smoke run wrote to results/"
+
+
+@pytest.mark.slow
+def test_the_energy_benchmark_runs_both_plans_in_smoke_mode(monkeypatch, capsys):
+    """benchmarks/bench_energy.py end to end at tiny sizes: the CPU plan here, the CUDA plan interpreted.
+
+    The CUDA plan (what the GPU run executes) runs on CPU tensors in one subprocess with
+    TRITON_INTERPRET=1, since Triton reads that flag when it is imported.
+    """
+    import torch
+
+    monkeypatch.syspath_prepend(str(REPO))
+    from benchmarks import bench_energy
+
+    result = bench_energy.run(torch.device("cpu"), smoke=True, inline=True)
+    assert all(r["ok"] for r in result["runs"]) and len(result["runs"]) == 5, result["runs"]
+    assert result["crossover"]["float32 dense vs tiled"]["sizes"] == [16, 32]
+    emulated = result["gram_error_emulated"]
+    assert emulated["d=64 tf32"]["max_abs"] > 10 * emulated["d=64 float32"]["max_abs"]
+    assert "energy: smoke run, nothing saved" in capsys.readouterr().out
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": PATH}  # sphereml from the checkout if not installed
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.bench_energy", "--smoke", "--plan", "cuda", "--inline"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    lines = proc.stdout.strip().splitlines()
+    assert lines and lines[-1] == '{"ok": true}', proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "triton medium" in proc.stdout and "crossover" in proc.stdout
 
 
 def test_peak_memory_sees_what_one_call_allocates():
@@ -50,6 +80,28 @@ def test_peak_memory_sees_what_one_call_allocates():
         pytest.skip("this kernel does not let /proc/self/clear_refs reset the high-water mark")
     assert 60 * 2**20 <= peak < 128 * 2**20
     assert peak_memory(lambda: held.sum()) < 8 * 2**20
+
+
+def test_forward_backward_and_training_step_do_the_work_they_time():
+    import torch
+
+    from sphereml.timing import forward_backward, training_step
+
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(3, 2)
+    x, target = torch.randn(4, 3, requires_grad=True), torch.randn(4, 2)
+    forward_backward({"linear": layer}, x, target)["linear"]()
+    torch.testing.assert_close(x.grad, target @ layer.weight.detach())  # d sum(layer(x) * target) / dx
+    before = layer.weight.detach().clone()
+    calls = []
+
+    def loss(net, inputs, labels):
+        calls.append(len(labels))
+        return net(inputs).square().sum()
+
+    training_step(layer, x.detach(), torch.zeros(4, dtype=torch.long), torch.optim.SGD(layer.parameters(), 0.1),
+                  loss=loss)()
+    assert calls == [4] and not torch.equal(layer.weight, before)
 
 
 def test_the_keops_column_computes_our_energy():

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from sphereml import chapter, verdicts
+from sphereml import chapter, recalibration, verdicts
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -120,14 +120,14 @@ def test_evaluate_recalibrates_running_statistics_once_after_each_fit(tmp_path, 
     data = sphere_clusters(3, 40, 6, concentration=3.0, seed=0)
     model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.BatchNorm1d(8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
     calls = []
-    monkeypatch.setattr(chapter, "recalibrate", lambda *a, **k: calls.append(1) or train.recalibrate(*a, **k))
+    monkeypatch.setattr(chapter, "recalibrate", lambda *a, **k: calls.append(1) or recalibration.recalibrate(*a, **k))
     ch.fit(model, data, epochs=1, lr=0.1)
-    assert not train.stats_fresh(model)
+    assert not recalibration.stats_fresh(model)
     ch.evaluate(model, data, recalibrate=False)
     assert calls == []
     ch.evaluate(model, data)
     ch.evaluate(model, data)
-    assert calls == [1] and train.stats_fresh(model)
+    assert calls == [1] and recalibration.stats_fresh(model)
     ch.fit(model, data, epochs=1, lr=0.1)  # new weights: stale again
     ch.collect(model.forward, data)
     assert calls == [1, 1]

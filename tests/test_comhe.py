@@ -1,6 +1,7 @@
 """Compressive MHE (thesis Ch. 6): the energies against their definitions, the theory by Monte Carlo, the
 regulariser's projection bookkeeping (sharing, resampling, seeds), each variant's own step, and bad arguments."""
 
+import dataclasses
 import math
 
 import pytest
@@ -129,7 +130,7 @@ def test_layers_shared_basis_and_small_fan_in():
 
 def test_penalty_matches_its_definition():
     model = _net()
-    reg = CoMHE(model, proj_dim=20, num_proj=3, lambda_hidden=2.0, lambda_output=0.5)
+    reg = CoMHE(model, proj_dim=20, num_proj=3, beta_hidden=2.0, beta_output=0.5)
     value = reg()
     hidden = [hyperspherical_energy(reg.hidden[0].weight, 2.0, half_space=True)]
     for i in (1, 2, 3):
@@ -187,7 +188,7 @@ def test_unrolled_angle_energy_has_the_second_order_gradient():
     torch.manual_seed(0)
     layer = nn.Linear(12, 6).double()
     model = nn.Sequential(layer, nn.ReLU(), nn.Linear(6, 3).double())
-    reg = CoMHE(model, variant="angle", proj_dim=4, num_proj=1, lambda_output=0.0, resample_every=None,
+    reg = CoMHE(model, variant="angle", proj_dim=4, num_proj=1, beta_output=0.0, resample_every=None,
                 ap_every=10 ** 6)
     reg.resample()
     p = reg.projections[reg.key(0)]
@@ -200,7 +201,7 @@ def test_unrolled_angle_energy_has_the_second_order_gradient():
     def energy_of(weight):
         q = p.detach().requires_grad_(True)
         (grad,) = torch.autograd.grad(angle_distortion(weight, q), q, create_graph=True)
-        stepped = q - reg.ap_lr * q.detach().norm() / grad.norm() * grad  # the scale-free step
+        stepped = q - reg.options.ap_lr * q.detach().norm() / grad.norm() * grad  # the scale-free step
         return projected_energies(weight, stepped).mean()
 
     w0 = layer.weight.detach().clone().requires_grad_(True)
@@ -235,7 +236,7 @@ def test_every_variant_trains_with_fit(variant):
 def test_comhe_alone_lowers_the_original_energy():
     """A few steps of the regulariser alone (no data) lower the layers' original half-space energy."""
     model = _net()
-    reg = CoMHE(model, proj_dim=20, lambda_output=0.0)
+    reg = CoMHE(model, proj_dim=20, beta_output=0.0)
     start = reg.original_energy()
     sgd = torch.optim.SGD(model.parameters(), lr=1.0)
     for _ in range(20):
@@ -269,25 +270,12 @@ def test_bad_arguments():
         bilateral_energy(_w(), torch.randn(5, 40, dtype=torch.float64), torch.randn(1, 12, dtype=torch.float64))
 
 
-def test_benchmark_smoke(monkeypatch, tmp_path):
-    """benchmarks/bench_comhe.py end to end at a tiny size; its JSON goes to a temporary folder."""
-    from pathlib import Path
-
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1]))
-    from benchmarks import bench_comhe, harness
-
-    monkeypatch.setattr(harness, "RESULTS", tmp_path)
-    result = bench_comhe.run(torch.device("cpu"), batch=2, widths=(4, 8, 8), repeats=1, names=("HS-MHE", "RP-CoMHE"))
-    assert set(result["seconds"]) == {"none", "HS-MHE", "RP-CoMHE"}
-    assert (tmp_path / "comhe_train_step_cnn9_b2-cpu.json").is_file()
-
-
 def test_plain_angle_step_is_the_authors_gradient_step():
     """ap_step="plain": the unrolled projection is P - ap_lr grad_P L_P, as the authors' code takes it."""
     torch.manual_seed(0)
     layer = nn.Linear(12, 6).double()
     model = nn.Sequential(layer, nn.ReLU(), nn.Linear(6, 3).double())
-    reg = CoMHE(model, variant="angle", proj_dim=4, num_proj=1, lambda_output=0.0, resample_every=None,
+    reg = CoMHE(model, variant="angle", proj_dim=4, num_proj=1, beta_output=0.0, resample_every=None,
                 ap_every=10 ** 6, ap_step="plain", ap_lr=0.3)
     reg.resample()
     p = reg.projections[reg.key(0)].detach().requires_grad_(True)
@@ -296,3 +284,19 @@ def test_plain_angle_step_is_the_authors_gradient_step():
     torch.testing.assert_close(reg.layer_energy(0), expected)
     with pytest.raises(ValueError, match="ap_step must be one of"):
         CoMHE(model, ap_step="adam")
+
+
+def test_options_come_as_one_dataclass_or_as_its_fields():
+    net = _net()
+    options = comhe.CoMHEOptions(proj_dim=16, num_proj=2, seed=3)
+    given, spelled = CoMHE(net, options=options), CoMHE(_net(), proj_dim=16, num_proj=2, seed=3)
+    assert given.options == spelled.options == options
+    assert CoMHE(net, options=options, num_proj=4).options.num_proj == 4 and options.num_proj == 2
+    assert "proj_dim=16" in repr(given) and given.resample_every == 1
+    assert CoMHE(net, variant="angle", options=options).resample_every is None  # "auto" for a fitted P
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        options.num_proj = 3
+    with pytest.raises(TypeError, match="proj_dims"):
+        CoMHE(net, proj_dims=16)
+    with pytest.raises(ValueError, match="num_proj must be an integer >= 1"):
+        comhe.CoMHEOptions(num_proj=0)

@@ -1,6 +1,7 @@
 """Decoupled operators (thesis Ch. 4): formulas, the fast path against the unfold definition, the
 invariants of reference §4.6, the optimisation aids of §4.4 and bad arguments."""
 
+import copy
 import itertools
 import math
 from functools import partial
@@ -380,22 +381,9 @@ def test_bad_inputs_and_aid_arguments():
         decoupled_factory(magnitude="cube")
 
 
-def test_benchmark_smoke(monkeypatch, tmp_path):
-    """benchmarks/bench_decoupled.py end to end at a tiny size; its JSON goes to a temporary folder."""
-    from pathlib import Path
-
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1]))
-    from benchmarks import bench_decoupled, harness
-
-    monkeypatch.setattr(harness, "RESULTS", tmp_path)
-    result = bench_decoupled.run(torch.device("cpu"), sizes=[(2, 4, 6)], repeats=1)
-    assert set(result["decoupled_fwd_bwd_b2_c4_s6"]["seconds"]) >= {"nn.Conv2d", "TanhConv cosine, rho E{||x||}"}
-    assert (tmp_path / "decoupled_fwd_bwd_b2_c4_s6-cpu.json").is_file()
-
-
 def test_recalibrate_reestimates_batchnorm_and_patch_norm_means():
-    """train.recalibrate: running statistics equal the cumulative statistics of the data, modes restored."""
-    from sphereml.train import recalibrate
+    """recalibration.recalibrate: running statistics equal the cumulative statistics of the data, modes restored."""
+    from sphereml.recalibration import recalibrate
 
     torch.manual_seed(27)
     net = torch.nn.Sequential(DecoupledConv2d(1, 3, 3, padding=1, magnitude="tanh", radius_norm=True),
@@ -413,6 +401,30 @@ def test_recalibrate_reestimates_batchnorm_and_patch_norm_means():
     torch.testing.assert_close(net[1].running_mean, torch.stack([o.mean((0, 2, 3)) for o in outs]).mean(0))
     with pytest.raises(ValueError, match="max_batches must be an integer >= 1"):
         recalibrate(net, data, max_batches=0, device="cpu")
+
+
+def test_recalibrated_restores_the_running_statistics_after_the_block():
+    """recalibration.recalibrated: inside, the statistics of recalibrate; after, the ones the model had, and its flags."""
+    from sphereml.recalibration import recalibrate, recalibrated, stats_fresh
+
+    torch.manual_seed(28)
+    net = torch.nn.Sequential(DecoupledConv2d(1, 3, 3, padding=1, magnitude="tanh", radius_norm=True),
+                              torch.nn.BatchNorm2d(3)).double().train()
+    x = torch.rand(40, 1, 6, 6, dtype=F64)
+    data = torch.utils.data.TensorDataset(x, torch.zeros(40, dtype=torch.long))
+    with torch.no_grad():
+        net(x[:10] + 1.0)  # running statistics of a different input: what training left
+    before = {name: b.clone() for name, b in net.named_buffers()}
+    expected = copy.deepcopy(net)
+    recalibrate(expected, data, batch_size=10, max_batches=2, device="cpu")
+    with recalibrated(net, data, batch_size=10, max_batches=2, device="cpu") as inside:
+        assert inside is net and stats_fresh(net) and net.training
+        for name, b in net.named_buffers():
+            torch.testing.assert_close(b, dict(expected.named_buffers())[name])
+        assert not torch.equal(net[1].running_mean, before["1.running_mean"])
+    for name, b in net.named_buffers():
+        torch.testing.assert_close(b, before[name], rtol=0, atol=0)
+    assert not stats_fresh(net) and net[1].momentum == 0.1
 
 
 @pytest.mark.parametrize("options", [dict(magnitude="tanh", radius_norm=True, learnable_rho=True),

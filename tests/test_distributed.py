@@ -190,7 +190,7 @@ def test_a_chapter_script_runs_unchanged_under_torchrun(tmp_path):
 
 REGULARIZERS = {
     "MHE half-space": lambda m: regularizers.MHE(m, half_space=True),
-    "CoMHE random": lambda m: comhe.CoMHE(m, proj_dim=3, num_proj=2, lambda_hidden=0.01),  # bounded weights
+    "CoMHE random": lambda m: comhe.CoMHE(m, proj_dim=3, num_proj=2, beta_hidden=0.01),  # bounded weights
     "CoMHE adversarial": lambda m: comhe.CoMHE(m, variant="adversarial", proj_dim=3, num_proj=1, ap_every=2),
     "Orthonormality": lambda m: regularizers.Orthonormality(m, beta=0.1),
     "ConvSimilarity": lambda m: regularizers.ConvSimilarity(m, beta=0.01),

@@ -5,12 +5,12 @@ The MHE regulariser is tested in ``test_regularizers.py``; float32 accuracy in `
 
 import itertools
 import math
-import os
 
 import pytest
 import torch
 
-from sphereml.energy import energy_metric, hyperspherical_energy, minibatch_energy, output_energy
+from sphereml import energy
+from sphereml.energy import energy_metric, hyperspherical_energy, layer_energy, minibatch_energy, output_energy
 from sphereml.energy.tiled import tiled_energy
 from sphereml.geometry import normalize
 
@@ -216,34 +216,6 @@ def test_argument_checks_read_no_tensor_values():
     assert points.shape == (24, 5) and points.device.type == "meta"
 
 
-def test_benchmark_smoke(monkeypatch):
-    """benchmarks/bench_energy.py end to end at tiny sizes: the CPU plan here, the CUDA plan interpreted.
-
-    The CUDA plan (what the GPU run executes) runs on CPU tensors in one subprocess with
-    TRITON_INTERPRET=1, since Triton reads that flag when it is imported.
-    """
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[1]
-    monkeypatch.syspath_prepend(str(root))
-    from benchmarks import bench_energy
-
-    result = bench_energy.run(torch.device("cpu"), smoke=True, inline=True)
-    assert all(r["ok"] for r in result["runs"]) and len(result["runs"]) == 5, result["runs"]
-    assert result["crossover"]["float32 dense vs tiled"]["sizes"] == [16, 32]
-    emulated = result["gram_error_emulated"]
-    assert emulated["d=64 tf32"]["max_abs"] > 10 * emulated["d=64 float32"]["max_abs"]
-    path = os.pathsep.join(filter(None, [str(root), str(root / "src"), os.environ.get("PYTHONPATH")]))
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path}  # sphereml from the checkout if not installed
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.bench_energy", "--smoke", "--plan", "cuda", "--inline"],
-                          cwd=root, env=env, capture_output=True, text=True, timeout=300)
-    lines = proc.stdout.strip().splitlines()
-    assert lines and lines[-1] == '{"ok": true}', proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "triton medium" in proc.stdout and "crossover" in proc.stdout
-
-
 # ---------------------------------------------------------------- output-layer energy (SphereFace+)
 
 def test_output_energy_matches_its_definition():
@@ -311,3 +283,44 @@ def test_angular_half_space_energy_of_antipodal_pairs_is_floored_as_documented(b
     value = float(hyperspherical_energy(w, 1.0, "angular", half_space=True, backend=backend, eps=eps))
     assert value == pytest.approx(expected, rel=1e-12)
     assert abs(value / ((1 / math.pi + 4 / math.pi) / 3) - 1) < 3e-5
+
+
+def _layers():
+    torch.manual_seed(0)
+    return [torch.nn.Conv2d(3, 6, 3), torch.nn.Linear(12, 5), torch.nn.Linear(12, 7)]
+
+
+@pytest.mark.parametrize("half_space", [False, True])
+@pytest.mark.parametrize("s", [0.0, 1.0, 2.0])
+def test_layer_energy_is_the_sum_of_each_layers_energy(half_space, s):
+    layers = _layers()
+    per_layer = [float(hyperspherical_energy(m.weight.detach(), s, half_space=half_space, backend="dense"))
+                 for m in layers]
+    assert layer_energy(layers, s, half_space) == pytest.approx(sum(per_layer), rel=1e-6)
+    points = [2 * len(m.weight) if half_space else len(m.weight) for m in layers]
+    pair_sum = sum(e * n * (n - 1) for e, n in zip(per_layer, points))
+    assert layer_energy(layers, s, half_space, reduction="pair_sum") == pytest.approx(pair_sum, rel=1e-6)
+    assert layer_energy([m.weight for m in layers], s, half_space) == pytest.approx(sum(per_layer), rel=1e-6)
+
+
+@pytest.mark.parametrize("reduction", ["pair_mean", "pair_sum"])
+def test_layer_energy_of_layers_above_the_batched_limit_agrees(monkeypatch, reduction):
+    layers = _layers()
+    batched = layer_energy(layers, 1.0, True, reduction)
+    monkeypatch.setattr(energy, "BATCHED_MAX", 5)  # the 6- and 7-neuron layers take the one-by-one path
+    assert layer_energy(layers, 1.0, True, reduction) == pytest.approx(batched, rel=1e-6)  # float32 per layer
+
+
+def test_layer_energy_is_a_measurement_without_a_graph():
+    layers = _layers()
+    value = layer_energy(layers, angular := 2.0, metric="angular")
+    assert isinstance(value, float) and angular == 2.0 and value > 0
+
+
+def test_layer_energy_bad_arguments():
+    with pytest.raises(ValueError, match="at least one layer"):
+        layer_energy([])
+    with pytest.raises(ValueError, match="reduction must be one of"):
+        layer_energy(_layers(), reduction="mean")
+    with pytest.raises(ValueError, match="at least 2 neurons"):
+        layer_energy([torch.randn(1, 4)])

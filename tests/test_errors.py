@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from sphereml import (angular, attacks, data, decoupled, energy, geometry, margins, models, orthogonalizers,
-                      regularizers, scs, sphereconv, train)
+                      recalibration, regularizers, scs, sphereconv, train)
 
 _DATA = torch.utils.data.TensorDataset(torch.zeros(4, 2), torch.zeros(4, dtype=torch.long))
 _X, _Y = torch.zeros(1, 2), torch.zeros(1, dtype=torch.long)
@@ -38,7 +38,7 @@ TABLE = [  # (what, call, argument named in the message, what the message must a
     ("fit", lambda: train.fit(torch.nn.Linear(2, 2), _DATA, epochs=-1), "epochs", ">= 0"),
     ("fit", lambda: train.fit(torch.nn.Linear(2, 2), _DATA, epochs=1, lr=0.0), "lr", "> 0"),
     ("fit", lambda: train.fit(torch.nn.Linear(2, 2), _DATA, epochs=1, batch_size=0), "batch_size", ">= 1"),
-    ("recalibrate", lambda: train.recalibrate(torch.nn.Linear(2, 2), _DATA, max_batches=0), "max_batches", ">= 1"),
+    ("recalibrate", lambda: recalibration.recalibrate(torch.nn.Linear(2, 2), _DATA, max_batches=0), "max_batches", ">= 1"),
     ("energy", lambda: energy.hyperspherical_energy(torch.randn(4, 3), s=-1.0), "s", ">= 0"),
     ("energy", lambda: energy.hyperspherical_energy(torch.randn(4, 3), metric="manhattan"), "metric", "one of"),
     ("MHE", lambda: regularizers.MHE(torch.nn.Linear(3, 4), s=-2.0), "s", ">= 0"),

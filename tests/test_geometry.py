@@ -9,8 +9,11 @@ from sphereml.geometry import (
     chebyshev_cos,
     cosine_matrix,
     integer_margin,
+    min_pair_angle,
     multiplicative_psi,
     normalize,
+    pair_angles,
+    pair_cosines,
     psi,
     safe_angle,
     sample_sphere,
@@ -183,3 +186,32 @@ def test_integer_margin_refuses_non_integers(m, message):
         integer_margin(m)
     assert integer_margin(3.0) == 3
 
+
+
+def test_pair_cosines_list_each_unordered_pair_once():
+    w = torch.randn(5, 2, 3, dtype=torch.float64)
+    unit = torch.nn.functional.normalize(w.flatten(1), dim=1)
+    expected = [float(unit[i] @ unit[j]) for i in range(5) for j in range(i + 1, 5)]
+    assert pair_cosines(w).tolist() == pytest.approx(expected, abs=1e-12)
+
+
+def test_pair_angles_of_lines_identify_a_neuron_with_its_negative():
+    w = torch.tensor([[1.0, 0.0], [-1.0, 0.0], [1.0, 1.0]], dtype=torch.float64)
+    angles = pair_angles(w)
+    assert angles.tolist() == pytest.approx([math.pi, math.pi / 4, 3 * math.pi / 4], abs=1e-3)
+    lines = pair_angles(w, lines=True)
+    assert lines.tolist() == pytest.approx([0.0, math.pi / 4, math.pi / 4], abs=1e-3)
+    assert float(min_pair_angle(w)) == pytest.approx(math.pi / 4)
+    assert float(min_pair_angle(w, lines=True)) == pytest.approx(0.0, abs=1e-3)
+    assert float(min_pair_angle(torch.eye(4))) == pytest.approx(math.pi / 2)
+
+
+def test_min_pair_angle_has_finite_gradients_on_duplicate_neurons():
+    w = torch.ones(3, 4, dtype=torch.float64, requires_grad=True)
+    min_pair_angle(w, lines=True).backward()
+    assert torch.isfinite(w.grad).all()
+
+
+def test_pair_angles_refuse_a_single_neuron():
+    with pytest.raises(ValueError, match="N >= 2"):
+        pair_cosines(torch.randn(1, 3))

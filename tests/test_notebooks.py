@@ -14,6 +14,7 @@ import re
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import jupytext
@@ -26,8 +27,6 @@ from sphereml import book
 REPO = Path(__file__).resolve().parents[1]
 SMOKE_CACHE = REPO / "_build" / "smoke" / "_build" / ".jupyter_cache"
 OFFLINE = REPO / "tests" / "offline"  # its sitecustomize refuses every connection that leaves the machine
-FIRST_RUNS: dict[str, Path] = {}  # chapter -> metrics.json of its smoke run in this session
-EXECUTED: dict[str, Path] = {}  # chapter -> its executed notebook from that run
 PINNED = REPO / "tests" / "regression"  # the pinned outputs of the cells tagged "regression"
 
 
@@ -76,12 +75,42 @@ def test_pairing_has_not_drifted(name):
     assert sorted(book.chapter_parameters(REPO / "notebooks" / f"{name}.ipynb")) == sorted(names)
 
 
-@pytest.fixture
-def offline_smoke(monkeypatch):
-    """The smoke profile, and no network for the kernels papermill starts (they inherit PYTHONPATH)."""
+def _offline_smoke_env(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SPHEREML_PROFILE", "smoke")
     monkeypatch.setenv("SPHEREML_GLUE_FIGURES", "1")  # figures glued for the book's numbered captions (viz)
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(OFFLINE), os.environ.get("PYTHONPATH")])))
+
+
+@pytest.fixture
+def offline_smoke(monkeypatch):
+    """The smoke profile, and no network for the kernels papermill starts (they inherit PYTHONPATH)."""
+    _offline_smoke_env(monkeypatch)
+
+
+@dataclass(frozen=True)
+class SmokeRun:
+    executed: Path  # the executed notebook
+    metrics: Path  # its metrics.json
+    seconds: float
+
+
+@pytest.fixture(scope="session")
+def smoke_run():
+    """``smoke_run(name)``: the chapter's smoke run (offline), made once per session by whichever test asks first,
+    so every test that reads it gets the same run whatever the order the tests run in."""
+    runs: dict[str, SmokeRun] = {}
+
+    def run(name: str) -> SmokeRun:
+        if name not in runs:
+            out = REPO / "_build" / "runs" / "smoke" / name
+            with pytest.MonkeyPatch.context() as monkeypatch:
+                _offline_smoke_env(monkeypatch)
+                start = time.perf_counter()
+                executed = book.run_chapter(name, {}, out)
+            runs[name] = SmokeRun(Path(executed), out / "metrics.json", time.perf_counter() - start)
+        return runs[name]
+
+    return run
 
 
 def test_the_chapters_kernels_have_no_network(offline_smoke):
@@ -97,23 +126,19 @@ def test_the_chapters_kernels_have_no_network(offline_smoke):
 
 @pytest.mark.notebook
 @pytest.mark.parametrize("name", CHAPTERS)
-def test_chapter_runs_in_smoke_profile(name, offline_smoke):
-    out = REPO / "_build" / "runs" / "smoke" / name
-    start = time.perf_counter()
-    executed = book.run_chapter(name, {}, out)
-    seconds = time.perf_counter() - start
-    metrics = json.loads((out / "metrics.json").read_text())
+def test_chapter_runs_in_smoke_profile(name, smoke_run):
+    run = smoke_run(name)
+    out = run.metrics.parent
+    metrics = json.loads(run.metrics.read_text())
     assert metrics["profile"] == "smoke" and metrics["chapter"] == name
     assert metrics.get("figures"), "a chapter saves at least one figure"
     for fig in metrics["figures"]:
         assert (out / fig).stat().st_size > 1000
-    run = nbformat.read(executed, as_version=4)
-    errors = [o for c in run.cells if c.cell_type == "code" for o in c.outputs if o.output_type == "error"]
+    notebook = nbformat.read(run.executed, as_version=4)
+    errors = [o for c in notebook.cells if c.cell_type == "code" for o in c.outputs if o.output_type == "error"]
     assert not errors
-    book.cache_executed_notebook(REPO / "notebooks" / f"{name}.ipynb", executed, SMOKE_CACHE)
-    FIRST_RUNS[name] = out / "metrics.json"
-    EXECUTED[name] = Path(executed)
-    print(f"{name}: smoke run {seconds:.1f} s")
+    book.cache_executed_notebook(REPO / "notebooks" / f"{name}.ipynb", run.executed, SMOKE_CACHE)
+    print(f"{name}: smoke run {run.seconds:.1f} s")
 
 
 # Values that measure the machine rather than the mathematics: wall times and ratios of times.
@@ -152,12 +177,9 @@ def test_metrics_comparison_sees_changes_but_not_timings():
 
 @pytest.mark.notebook
 @pytest.mark.parametrize("name", CHAPTERS)
-def test_chapter_is_deterministic(name, offline_smoke, tmp_path):
+def test_chapter_is_deterministic(name, smoke_run, offline_smoke, tmp_path):
     """Run again with the same seed and profile, a chapter writes the same metrics.json (timings aside)."""
-    first = FIRST_RUNS.get(name)
-    if first is None:  # the smoke-run test did not run in this session
-        book.run_chapter(name, {}, tmp_path / "first")
-        first = tmp_path / "first" / "metrics.json"
+    first = smoke_run(name).metrics
     book.run_chapter(name, {}, tmp_path / "second")
     differences = metrics_differences(json.loads(first.read_text()),
                                       json.loads((tmp_path / "second" / "metrics.json").read_text()))
@@ -176,7 +198,7 @@ def test_chapter_opens_with_a_box_linking_the_code_it_uses(name):
     imported = set(re.findall(r"^from sphereml\.([a-z_]+) import", source, re.M))
     for group in re.findall(r"^from sphereml import \(?([a-z_, ]+)", source, re.M):
         imported |= {n.split(" as ")[0].strip() for n in group.split(",") if n.strip()}
-    plumbing = {"chapter", "viz", "data", "timing", "train", "book", "report"}
+    plumbing = {"chapter", "viz", "data", "timing", "train", "recalibration", "book", "report"}
     missing = sorted(m for m in imported - plumbing if f"{{py:mod}}`sphereml.{m}`" not in box)
     assert not missing, f"{name}'s code box does not link {missing}"
 
@@ -209,14 +231,13 @@ REGRESSION_CHAPTERS = [n for n in CHAPTERS if ":tags: [regression" in (REPO / "n
 
 @pytest.mark.notebook
 @pytest.mark.parametrize("name", REGRESSION_CHAPTERS)
-def test_pinned_outputs_are_unchanged(name, offline_smoke, tmp_path):
+def test_pinned_outputs_are_unchanged(name, smoke_run):
     """The deterministic cells (proof checks, closed forms, exact tables: tagged ``regression``) print what
     tests/regression/NAME.ipynb pinned; a change fails with pytest-notebook's cell-by-cell diff.  After an
     intended change: SPHEREML_REGEN=1 python -m pytest tests/test_notebooks.py -k pinned."""
     from pytest_notebook import diffing
 
-    executed = EXECUTED.get(name) or book.run_chapter(name, {}, tmp_path)
-    ours = pinned_cells(nbformat.read(executed, as_version=4))
+    ours = pinned_cells(nbformat.read(smoke_run(name).executed, as_version=4))
     assert ours.cells, f"{name} has no cell tagged regression"
     path = PINNED / f"{name}.ipynb"
     if os.environ.get("SPHEREML_REGEN") == "1":

@@ -9,7 +9,7 @@ from torch import nn
 
 from sphereml import models, opt
 from sphereml import orthogonalizers as orth
-from sphereml.energy import hyperspherical_energy
+from sphereml.energy import hyperspherical_energy, layer_energy
 from sphereml.train import fit
 
 CONSTRAINED = opt.ORTHOGONAL_BY_CONSTRUCTION
@@ -202,12 +202,12 @@ def test_model_wide_opt_leaves_the_classifier_and_trains_with_fit():
     model = models.Classifier(models.MLP(12, 8, hidden=(10,)), 3)
     layers = opt.overparameterize_model(model, "cayley")
     assert layers == opt.opt_layers(model) and model.head not in layers and len(layers) == 2
-    energy = opt.network_energy(layers)
+    energy = layer_energy(layers, half_space=True)
     x, y = torch.randn(60, 12), torch.randint(0, 3, (60,))
     history = fit(model, torch.utils.data.TensorDataset(x, y), epochs=3, batch_size=20, lr=0.05, optimizer="sgd",
                   device="cpu", progress=False)
     assert history.epochs[-1]["train_loss"] < history.epochs[0]["train_loss"]
-    assert opt.network_energy(layers) == pytest.approx(energy, rel=1e-5)
+    assert layer_energy(layers, half_space=True) == pytest.approx(energy, rel=1e-5)
 
 
 @pytest.mark.parametrize("iterations", [2, None])
@@ -260,7 +260,7 @@ def test_table_7_2_initial_energy_from_its_definition():
                 for m in layers:
                     std = math.sqrt(2 / m.weight[0].numel())
                     m.weight.copy_(torch.randn(m.weight.shape, generator=g) * std + mean)
-            draws.append(opt.network_energy(layers))
+            draws.append(layer_energy(layers, half_space=True))
         assert abs(sum(draws) / len(draws) - value) < 0.005, (mean, draws)
 
 
@@ -299,19 +299,6 @@ def test_bad_arguments():
         opt.OrthogonalSGD([nn.Parameter(torch.zeros(3))], momentum=1.0)
     with pytest.raises(ValueError, match="steps"):
         opt.refine_neurons(torch.randn(4, 3), steps=-1)
-
-
-def test_benchmark_smoke(monkeypatch, tmp_path):
-    """benchmarks/bench_opt.py end to end at a tiny size; its JSON goes to a temporary folder."""
-    from pathlib import Path
-
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1]))
-    from benchmarks import bench_opt, harness
-
-    monkeypatch.setattr(harness, "RESULTS", tmp_path)
-    result = bench_opt.run(torch.device("cpu"), batch=2, width=4, repeats=1, methods=("gs", "ogd", "or"))
-    assert set(result["seconds"]) == {"plain CNN-6", "gs", "ogd", "or"}
-    assert (tmp_path / "opt_train_step_cnn6_w4_b2-cpu.json").is_file()
 
 
 @pytest.mark.parametrize("method", ["gs", "householder", "lowdin", "cayley", "ogd", "or"])

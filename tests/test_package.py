@@ -51,3 +51,23 @@ def test_modules_stay_short(path):
 def test_convsim_is_pure_tensor_math():
     imported = {module for module, _ in _imports(SRC / "convsim.py")}
     assert imported <= {"._checks"}, f"convsim imports {imported} from the package"
+
+
+def test_import_sphereml_brings_no_book_machinery():
+    """A project of one's own imports the operators, heads and regularisers, not the chapter runtime or plotting."""
+    import subprocess
+    import sys
+
+    probe = ("import sys, sphereml\n"
+             "book = [f'sphereml.{m}' for m in sphereml.BOOK_MODULES] + ['matplotlib', 'seaborn', 'papermill']\n"
+             "print([m for m in book if m in sys.modules])\n"
+             "print(sphereml.regularizers.MHE.__name__, sphereml.chapter.Chapter.__name__)")
+    run = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert run.stdout.splitlines() == ["[]", "MHE Chapter"], run.stdout + run.stderr[-2000:]
+
+
+def test_every_book_module_exists_and_is_lazy():
+    assert all((SRC / f"{name}.py").is_file() for name in sphereml.BOOK_MODULES)
+    assert not set(sphereml.BOOK_MODULES) & set(sphereml.__all__)
+    with pytest.raises(AttributeError, match="no attribute 'nonexistent'"):
+        sphereml.nonexistent

@@ -88,7 +88,7 @@ def test_fit_adds_the_regulariser_every_step():
     g = torch.Generator().manual_seed(0)
     data = torch.utils.data.TensorDataset(torch.rand(32, 1, 28, 28, generator=g), torch.randint(10, (32,), generator=g))
     model = _net()
-    reg = MHE(model, s=2.0, lambda_hidden=1.0, lambda_output=1.0)
+    reg = MHE(model, s=2.0, beta_hidden=1.0, beta_output=1.0)
     history = fit(model, data, epochs=1, batch_size=16, regularizer=reg, device="cpu", progress=False)
     assert history.epochs[0]["reg"] > 0
 
@@ -108,7 +108,7 @@ def test_iterative_initialization_lowers_loss_and_shrinks_kernels():
 
 def test_mhe_regulariser_sums_layer_energies():
     model = _net()
-    reg = MHE(model, s=1.0, half_space=True, lambda_hidden=0.5, lambda_output=2.0)
+    reg = MHE(model, s=1.0, half_space=True, beta_hidden=0.5, beta_output=2.0)
     convs = [m for m in model.modules() if isinstance(m, torch.nn.Conv2d)]
     expected = 0.5 * sum(E(m.weight, s=1.0, half_space=True) for m in convs + [model.backbone.feature])
     expected = expected + 2.0 * E(model.head.weight, s=1.0)  # output layer: full space
@@ -121,9 +121,9 @@ def test_mhe_regulariser_sums_layer_energies():
 
 def test_mhe_skips_one_neuron_layers_and_a_zero_output_weight():
     net = torch.nn.Sequential(torch.nn.Linear(3, 5), torch.nn.ReLU(), torch.nn.Linear(5, 1))
-    reg = MHE(net, lambda_output=1.0)
+    reg = MHE(net, beta_output=1.0)
     assert reg.output is None and reg.hidden == [net[0]]  # the 1-neuron output layer has no pairs
-    assert MHE(_net(), lambda_output=0.0).output is None
+    assert MHE(_net(), beta_output=0.0).output is None
 
 
 # ---------------------------------------------------------------- bad input
@@ -136,8 +136,8 @@ def test_mhe_skips_one_neuron_layers_and_a_zero_output_weight():
     (lambda: iterative_initialization(torch.nn.Linear(2, 2), steps=1), "no layer of kind"),
     (lambda: iterative_initialization(ConvNet(1, 2, widths=(2,)), steps=-1), "steps must be an integer >= 0"),
     (lambda: iterative_initialization(ConvNet(1, 2, widths=(2,)), steps=True), "steps must be an integer >= 0"),
-    (lambda: MHE(torch.nn.Linear(3, 1), lambda_output=0.0), "no layer with at least 2 neurons"),
-    (lambda: MHE(ConvNet(1, 4, widths=(4,)), lambda_hidden=-1.0), "lambda_hidden must be a finite number >= 0"),
+    (lambda: MHE(torch.nn.Linear(3, 1), beta_output=0.0), "no layer with at least 2 neurons"),
+    (lambda: MHE(ConvNet(1, 4, widths=(4,)), beta_hidden=-1.0), "beta_hidden must be a finite number >= 0"),
     (lambda: MHE(ConvNet(1, 4, widths=(4,)), metric="cosine"), "metric must be one of"),
     (lambda: MHE(ConvNet(1, 4, widths=(4,)), s=-1.0), "s must be a finite number >= 0"),
     (lambda: orthonormality_penalty(torch.randn(3)), "output axis"),

@@ -180,3 +180,35 @@ def test_compiled_step_trains_like_the_eager_step(toy):
     torch.testing.assert_close(weights[1], weights[0], rtol=1e-4, atol=1e-5)
     with pytest.raises(ValueError, match="compile must be one of"):
         fit(make(), train, epochs=1, device="cpu", progress=False, compile="fast")
+
+
+def test_on_device_copies_a_tensor_dataset_once_and_keeps_the_copy():
+    from torch.utils.data import TensorDataset
+
+    from sphereml.train import batches, on_device
+
+    data = TensorDataset(torch.randn(10, 3), torch.arange(10))
+    assert on_device(data, "cpu") is data  # already there: nothing copied
+    moved = on_device(data, "meta")
+    assert all(t.device.type == "meta" for t in moved.tensors) and on_device(data, "meta") is moved
+    assert on_device(moved, "meta") is moved
+    shuffled = list(batches(moved, 4, True, torch.Generator().manual_seed(0)))
+    assert [b[0].shape for b in shuffled] == [(4, 3), (4, 3), (2, 3)] and shuffled[0][1].device.type == "meta"
+    in_order = [b[1].tolist() for b in batches(data, 4, True, torch.Generator().manual_seed(0))]
+    assert sorted(sum(in_order, [])) == list(range(10))  # the same draw on the CPU: a permutation
+    plain = [1, 2, 3]
+    assert on_device(plain, "meta") is plain  # not a TensorDataset: left to the DataLoader
+
+
+def test_fit_moves_the_data_once_and_evaluate_reads_the_device_once(toy, monkeypatch):
+    from sphereml import launches, train
+
+    train_set, _ = toy
+    model = make()
+    calls = []
+    real = train.on_device
+    monkeypatch.setattr(train, "on_device", lambda data, dev: calls.append(len(data)) or real(data, dev))
+    fit(model, train_set, epochs=2, batch_size=16, device="cpu", progress=False)
+    assert calls == [len(train_set)]  # once per fit, not per epoch or batch
+    reads = launches.count_ops(lambda: evaluate(model, train_set, batch_size=8, device="cpu"))
+    assert len(train_set) > 3 * 8 and reads.by_op["aten::_local_scalar_dense"] == 2  # loss and accuracy, once

@@ -23,35 +23,54 @@ One concept per module:
 * :mod:`~sphereml.models` — the book's networks, built from operator factories; ``Classifier``.
 * :mod:`~sphereml.data` — Fashion-MNIST, digits, CIFAR-10/100, synthetic sphere data.
 * :mod:`~sphereml.train` — ``fit`` / ``evaluate``: seeding, devices, history, checkpoints, callbacks.
+* :mod:`~sphereml.recalibration` — running statistics re-estimated before an evaluation (the book's rule).
 * :mod:`~sphereml.distributed` — ``torchrun`` support: process group, data-parallel gradient sums.
 * :mod:`~sphereml.metrics` — accuracy, angular hardness and Fisher score, verification.
-* :mod:`~sphereml.verdicts` — verdicts that know their noise: paired comparisons over seeds.
 * :mod:`~sphereml.attacks` — FGSM and PGD in the L-infinity ball, accuracy under white- and black-box
   attack, adversarial training.
 * :mod:`~sphereml.timing` — round-robin timing with ratios to a baseline.
 * :mod:`~sphereml.launches` — operations per step counted and host reads refused, on the CPU.
+
+The book's machinery, loaded on first use (``sphereml.chapter`` or ``from sphereml.chapter import Chapter``), so
+that ``import sphereml`` in a project of one's own brings no plotting, no chapter runtime and no papermill:
+
+* :mod:`~sphereml.verdicts` — verdicts that know their noise: paired comparisons over seeds.
 * :mod:`~sphereml.viz` — the book's plotting style and helpers.
 * :mod:`~sphereml.chapter` — the chapter runtime: profiles, figures, metrics, claim records.
 * :mod:`~sphereml.report` — claims as a reader sees them: verdict badges, claim cards, verdict tables.
 * :mod:`~sphereml.ledger` — the claims ledger: every chapter's claim records gathered into one page.
-* ``sphereml.conclusion`` — chapter 10's reading of the ledger and the benchmarks; not imported here.
-* ``sphereml.errata`` — the errata page as data: entries by source and kind; not imported here.
-* ``sphereml.book`` — the papermill runner (``python -m sphereml.book``); not imported here.
+* ``sphereml.conclusion`` — chapter 10's reading of the ledger and the benchmarks.
+* ``sphereml.errata`` — the errata page as data: entries by source and kind.
+* ``sphereml.book`` — the papermill runner (``python -m sphereml.book``).
 """
 
-from . import (angular, attacks, chapter, comhe, comhe_functional, convsim, data, decoupled, decoupled_training,
-               distributed, energy, geometry, launches, ledger, margins, metrics, models, opt, orthogonalizers,
-               patches, regularizers, report, schedules, scs, sphereconv, timing, train, verdicts, viz)
+import importlib
+
+from . import (angular, attacks, comhe, comhe_functional, convsim, data, decoupled, decoupled_training, distributed,
+               energy, geometry, launches, margins, metrics, models, opt, orthogonalizers, patches, recalibration,
+               regularizers, schedules, scs, sphereconv, timing, train)
 from .geometry import angle_matrix, cosine_matrix, normalize, safe_angle, sample_sphere
 from .train import evaluate, fit, resolve_device, seed_everything
 
 __version__ = "0.1.0"
 
+BOOK_MODULES = ("book", "chapter", "conclusion", "errata", "ledger", "report", "verdicts", "viz")
+
 __all__ = [
-    "angular", "attacks", "chapter", "comhe", "comhe_functional", "convsim", "data", "decoupled",
-    "decoupled_training", "distributed", "energy", "geometry", "launches", "ledger", "margins", "metrics", "models",
-    "opt", "orthogonalizers", "patches", "regularizers", "report", "schedules", "scs", "sphereconv", "timing",
-    "train", "verdicts", "viz",
+    "angular", "attacks", "comhe", "comhe_functional", "convsim", "data", "decoupled", "decoupled_training",
+    "distributed", "energy", "geometry", "launches", "margins", "metrics", "models", "opt", "orthogonalizers",
+    "patches", "recalibration", "regularizers", "schedules", "scs", "sphereconv", "timing", "train",
     "normalize", "cosine_matrix", "safe_angle", "angle_matrix", "sample_sphere",
     "fit", "evaluate", "resolve_device", "seed_everything", "__version__",
 ]
+
+
+def __getattr__(name: str):
+    """``sphereml.chapter`` and the other book modules, imported when first asked for (PEP 562)."""
+    if name in BOOK_MODULES:
+        return importlib.import_module(f".{name}", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(BOOK_MODULES))

@@ -24,7 +24,7 @@ from torch import Tensor, nn
 from torch.utils.data import Dataset
 
 from ._checks import integer, one_of, real_number
-from .train import batches
+from .train import batches, on_device
 
 __all__ = ["ATTACKS", "fgsm", "pgd", "robust_accuracy", "adversarial_loss"]
 
@@ -114,18 +114,18 @@ def robust_accuracy(model: nn.Module, data: Dataset, eps_values, attack: str = "
     model.eval()
     attacked.eval()
     generator = torch.Generator().manual_seed(seed)
-    correct = {float(eps): 0 for eps in eps_values}
+    correct = {float(eps): torch.zeros((), dtype=torch.long, device=dev) for eps in eps_values}  # read at the end
     seen = 0
-    for batch in batches(data, batch_size):
+    for batch in batches(on_device(data, dev), batch_size):
         x, y = (t.to(dev) for t in batch)
         for eps in correct:
             x_eval = x if eps == 0 else _attack(attack, attacked, x, y, eps, generator, **attack_kwargs)
             with torch.no_grad():
-                correct[eps] += int((model(x_eval).argmax(1) == y).sum())
+                correct[eps] += (model(x_eval).argmax(1) == y).sum()
         seen += len(y)
     for module, mode in reversed(modes):
         module.train(mode)
-    return {eps: c / max(seen, 1) for eps, c in correct.items()}
+    return {eps: int(c) / max(seen, 1) for eps, c in correct.items()}
 
 
 def adversarial_loss(eps: float, attack: str = "fgsm", weight: float = 0.5, seed: int = 0, **attack_kwargs):

@@ -26,7 +26,7 @@ import os
 import sys
 from pathlib import Path
 
-from .chapter import repo_root
+from .chapter import default_output_dir, repo_root
 
 __all__ = ["chapter_parameters", "run_chapter", "cache_executed_notebook", "write_ledger", "main"]
 
@@ -97,7 +97,7 @@ def run_chapter(name: str, parameters: dict | None = None, output_dir=None, note
         if key not in defaults:
             raise ValueError(f"unknown parameter {key!r} for {name}; its parameters are {sorted(defaults)}")
         params[key] = _convert(key, value, defaults[key])
-    out = Path(output_dir) if output_dir else (repo_root(source) or Path.cwd()) / "_build" / "runs" / name
+    out = Path(output_dir) if output_dir else default_output_dir(name, source)
     out.mkdir(parents=True, exist_ok=True)
     if params and "output_dir" in defaults:
         params.setdefault("output_dir", str(out.resolve()))

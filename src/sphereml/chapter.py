@@ -28,12 +28,13 @@ import torch
 
 from . import _io, data, distributed, viz
 from ._checks import integer
-from .train import (collect_outputs, evaluate, fit, has_running_stats, recalibrate, resolve_device, seed_everything,
-                    stats_fresh)
+from .recalibration import has_running_stats, recalibrate, stats_fresh
+from .train import collect_outputs, evaluate, fit, resolve_device, seed_everything
 from .report import ClaimCard, VerdictTable, show
 from .verdicts import NOT_TESTABLE, verdict_name
 
-__all__ = ["PROFILES", "CLAIM_KINDS", "resolve_profile", "repo_root", "resolve_output_dir", "Chapter"]
+__all__ = ["PROFILES", "CLAIM_KINDS", "resolve_profile", "repo_root", "default_output_dir", "resolve_output_dir",
+           "Chapter"]
 
 PROFILES = ("smoke", "cpu", "gpu")
 CLAIM_KINDS = (  # what a claim is about (thesis Ch. 8's three claims, and the rest)
@@ -65,14 +66,20 @@ def repo_root(start: str | os.PathLike | None = None) -> Path | None:
     return None
 
 
+def default_output_dir(chapter: str, start: str | os.PathLike | None = None) -> Path:
+    """``<repo>/_build/runs/<chapter>``, the repository found from ``start`` (default: cwd); outside one,
+    ``./_build/runs/<chapter>``."""
+    return (repo_root(start) or Path.cwd()) / "_build" / "runs" / chapter
+
+
 def resolve_output_dir(chapter: str, output_dir: str | os.PathLike = "") -> Path:
     """Where a chapter writes figures and metrics: ``output_dir`` if given, else ``$SPHEREML_OUTPUT``,
-    else ``<repo>/_build/runs/<chapter>`` (``./_build/runs/<chapter>`` outside the repository)."""
+    else :func:`default_output_dir`."""
     if output_dir:
         return Path(output_dir)
     if os.environ.get("SPHEREML_OUTPUT"):
         return Path(os.environ["SPHEREML_OUTPUT"])
-    return (repo_root() or Path.cwd()) / "_build" / "runs" / chapter
+    return default_output_dir(chapter)
 
 
 class Chapter:
@@ -125,7 +132,7 @@ class Chapter:
 
     def recalibrate_if_stale(self, model) -> None:
         """The book's one rule for networks with running statistics (BatchNorm): before an evaluation, re-estimate
-        them from the data the model was trained on (:func:`~sphereml.train.recalibrate`, at most
+        them from the data the model was trained on (:func:`~sphereml.recalibration.recalibrate`, at most
         ``RECALIBRATION_BATCHES`` batches), unless that was done since the model's last :meth:`fit`."""
         if model in self._trained_on and has_running_stats(model) and not stats_fresh(model):
             recalibrate(model, self._trained_on[model], device=self.device, max_batches=RECALIBRATION_BATCHES)

@@ -34,22 +34,81 @@ Note [CoMHE without host work]
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
+
 import torch
 from torch import Tensor, nn
 
 from ._checks import integer, one_of, real_number
 from .comhe_functional import (angle_distortion, angle_distortion_grad, bilateral_energy, group_energy, project,
                                projected_energies)
-from .energy import BATCHED_MAX, hyperspherical_energy
+from .energy import BATCHED_MAX, hyperspherical_energy, layer_energy
 from .energy.batched import PointSets, RowPacking, SetEnergies, pair_weights
-from .regularizers import MHE, network_energy
+from .regularizers import MHE
 
 # The functional core lives in sphereml.comhe_functional; its public functions are listed here too, where the
 # regulariser's users look for them.
-__all__ = ["VARIANTS", "CoMHE", "projected_energies", "angle_distortion", "angle_distortion_grad", "group_energy",
+__all__ = ["VARIANTS", "CoMHEOptions", "CoMHE", "projected_energies", "angle_distortion", "angle_distortion_grad", "group_energy",
            "bilateral_energy"]
 
 VARIANTS = ("random", "random_max", "angle", "adversarial", "group", "bilateral")
+
+
+@dataclass(frozen=True)
+class CoMHEOptions:
+    """How :class:`CoMHE` draws its projections and how the angle-preserving and adversarial variants move them.
+
+    The thesis's defaults: k = 30 projected coordinates (§6.6.1 says "projection dimension 30, i.e. k = 29";
+    ``proj_dim`` counts the coordinates), C = 5 projections, one basis shared by the layers of equal fan-in,
+    projections redrawn every step (the authors' code).
+
+    Attributes:
+        proj_dim (int): k, the projected dimension. Layers with fan-in d <= k are regularised by plain MHE, as
+            the authors do for the first layer. Default: 30.
+        num_proj (int): C, projections per layer and step (the thesis: 5 for RP, 1 for AP). Default: 5.
+        shared_basis (bool): one projection for all layers of equal fan-in (§6.3.6); else one per layer.
+        resample_every (int, None or "auto"): redraw the projections every this many calls; None never
+            (Table E.4). ``"auto"``: every call, except for ``"angle"`` and ``"adversarial"``, whose fitted
+            projections are kept (the authors' AP code never re-initialises). Default: ``"auto"``.
+        group_size (int): channels per group for ``"group"`` (the thesis: 8).
+        ap_lr (float): the size of a step on P: with ``ap_step="relative"``, ``"angle"`` moves P by
+            ap_lr * ||P|| against grad L_P (alternating and unrolled) and ``"adversarial"`` by as much along the
+            projected energy's gradient (P's scale does not matter to g, so the step is scale-free); with
+            ``"plain"``, P - ap_lr * grad (the authors' code, which uses the network's learning rate).
+            Default: 0.1.
+        ap_step (str): ``"relative"`` or ``"plain"``, see ``ap_lr``. Default: ``"relative"``.
+        ap_every (int): ``"angle"``: fit P by ``ap_steps`` steps on L_P every this many calls (§6.6.1: 10).
+        ap_steps (int): those steps. Default: 1.
+        unrolled (bool): ``"angle"``: use P - ap_lr grad_P L_P(W, P), differentiated through W as well
+            (the one-step unrolled AP-CoMHE, the thesis's best). Default: True.
+        seed (int): seeds the projections. Default: 0.
+    """
+
+    proj_dim: int = 30
+    num_proj: int = 5
+    shared_basis: bool = True
+    resample_every: int | str | None = "auto"
+    group_size: int = 8
+    ap_lr: float = 0.1
+    ap_step: str = "relative"
+    ap_every: int = 10
+    ap_steps: int = 1
+    unrolled: bool = True
+    seed: int = 0
+
+    def __post_init__(self):
+        integer("proj_dim", self.proj_dim, at_least=1)
+        integer("num_proj", self.num_proj, at_least=1)
+        if self.resample_every not in ("auto", None):
+            integer("resample_every", self.resample_every, at_least=1)
+        integer("group_size", self.group_size, at_least=1)
+        object.__setattr__(self, "ap_lr", real_number("ap_lr", self.ap_lr, above=0.0))
+        one_of("ap_step", self.ap_step, ("relative", "plain"))
+        integer("ap_every", self.ap_every, at_least=1)
+        integer("ap_steps", self.ap_steps, at_least=1)
+        integer("seed", self.seed, at_least=0)
+        object.__setattr__(self, "shared_basis", bool(self.shared_basis))
+        object.__setattr__(self, "unrolled", bool(self.unrolled))
 
 
 class _Group:
@@ -65,8 +124,8 @@ class _Group:
 class CoMHE(MHE):
     """Compressive MHE on a model's hidden layers, plus full-space MHE on its classifier (thesis §6.3, eq. 5.4).
 
-    ``reg()`` returns lambda_hidden * sum over hidden layers of the layer's compressive energy +
-    lambda_output * E_s(classifier).  Each call is one training step (:meth:`before_step`, then the
+    ``reg()`` returns beta_hidden * sum over hidden layers of the layer's compressive energy +
+    beta_output * E_s(classifier).  Each call is one training step (:meth:`before_step`, then the
     penalty): projections are redrawn every ``resample_every`` calls from the regulariser's own seeded
     generator on the weights' device (so a seed reproduces them on a device), and they never receive a
     gradient from the data loss.  Note [CoMHE without host work] says how a step is batched.
@@ -77,52 +136,27 @@ class CoMHE(MHE):
         variant (str): ``"random"`` (RP-CoMHE, eq. 6.4), ``"random_max"`` (eq. 6.5), ``"angle"``
             (AP-CoMHE, eqs. 6.6-6.7), ``"adversarial"`` (eq. 6.8, gradient descent-ascent),
             ``"group"`` (eq. 6.9) or ``"bilateral"`` (eqs. E.20-E.22). Default: ``"random"``.
-        proj_dim (int): k, the projected dimension (the thesis: 30). Layers with fan-in d <= k are
-            regularised by plain MHE, as the authors do for the first layer.
-        num_proj (int): C, projections per layer and step (the thesis: 5 for RP, 1 for AP).
         s (float), half_space (bool): the energy on the projected sphere (the thesis: 2, half space).
-        shared_basis (bool): one projection for all layers of equal fan-in (§6.3.6); else one per layer.
-        resample_every (int, None or "auto"): redraw the projections every this many calls; None never
-            (Table E.4). ``"auto"``: every call, except for ``"angle"`` and ``"adversarial"``, whose fitted
-            projections are kept (the authors' AP code never re-initialises). Default: ``"auto"``.
-        lambda_hidden, lambda_output (float): weights of the hidden and classifier terms. Default: 1, 1.
-        group_size (int): channels per group for ``"group"`` (the thesis: 8).
-        ap_lr (float): the size of a step on P: with ``ap_step="relative"``, ``"angle"`` moves P by
-            ap_lr * ||P|| against grad L_P (alternating and unrolled) and ``"adversarial"`` by as much along the
-            projected energy's gradient (P's scale does not matter to g, so the step is scale-free); with
-            ``"plain"``, P - ap_lr * grad (the authors' code, which uses the network's learning rate).
-            Default: 0.1.
-        ap_step (str): ``"relative"`` or ``"plain"``, see ``ap_lr``. Default: ``"relative"``.
-        ap_every (int): ``"angle"``: fit P by ``ap_steps`` steps on L_P every this many calls (§6.6.1: 10).
-        ap_steps (int): those steps. Default: 1.
-        unrolled (bool): ``"angle"``: use P - ap_lr grad_P L_P(W, P), differentiated through W as well
-            (the one-step unrolled AP-CoMHE, the thesis's best). Default: True.
-        seed (int): seeds the projections. backend (str): energy backend of layers too large to batch.
+        beta_hidden, beta_output (float): weights of the hidden and classifier terms. Default: 1, 1.
+        backend (str): energy backend of layers too large to batch. Default: ``"auto"``.
+        options (CoMHEOptions, optional): how the projections are drawn and moved (the thesis's defaults).
+        **fields: any field of :class:`CoMHEOptions`, replacing that of ``options``
+            (``CoMHE(net, variant="angle", num_proj=1)``).
     """
 
-    def __init__(self, model: nn.Module, variant: str = "random", proj_dim: int = 30, num_proj: int = 5,
-                 s: float = 2.0, half_space: bool = True, shared_basis: bool = True, resample_every="auto",
-                 lambda_hidden: float = 1.0, lambda_output: float = 1.0, group_size: int = 8, ap_lr: float = 0.1,
-                 ap_every: int = 10, ap_steps: int = 1, unrolled: bool = True, seed: int = 0, backend: str = "auto",
-                 ap_step: str = "relative"):
+    def __init__(self, model: nn.Module, variant: str = "random", s: float = 2.0, half_space: bool = True,
+                 beta_hidden: float = 1.0, beta_output: float = 1.0, backend: str = "auto",
+                 options: CoMHEOptions | None = None, **fields):
         self.variant = one_of("variant", variant, VARIANTS)
-        self.proj_dim = integer("proj_dim", proj_dim, at_least=1)
-        self.num_proj = integer("num_proj", num_proj, at_least=1)
-        self.shared_basis, self.unrolled = bool(shared_basis), bool(unrolled)
-        if resample_every == "auto":
-            resample_every = None if self.variant in ("angle", "adversarial") else 1
-        self.resample_every = None if resample_every is None else integer("resample_every", resample_every, at_least=1)
-        self.group_size = integer("group_size", group_size, at_least=1)
-        self.ap_lr = real_number("ap_lr", ap_lr, above=0.0)
-        self.ap_step = one_of("ap_step", ap_step, ("relative", "plain"))
-        self.ap_every = integer("ap_every", ap_every, at_least=1)
-        self.ap_steps = integer("ap_steps", ap_steps, at_least=1)
-        self.seed = integer("seed", seed, at_least=0)
+        self.options = replace(options or CoMHEOptions(), **fields)
+        self.resample_every = self.options.resample_every  # "auto" resolved for the variant:
+        if self.resample_every == "auto":  # the authors' AP code never re-initialises a fitted projection
+            self.resample_every = None if self.variant in ("angle", "adversarial") else 1
         self.calls = 0
         self._generator: torch.Generator | None = None
         self._drawn: list[Tensor] | None = None  # per compressed group: P (and the combinations for bilateral)
         self._shares: dict = {}  # (group, device, dtype) -> the pair weights of L_P
-        super().__init__(model, s, half_space, "euclidean", lambda_hidden, lambda_output, backend)
+        super().__init__(model, s, half_space, "euclidean", beta_hidden, beta_output, backend)
 
     # ------------------------------------------------------------------ layers and blocks
     def compressed(self, layer: nn.Module) -> bool:
@@ -132,13 +166,13 @@ class CoMHE(MHE):
         if len(w) > BATCHED_MAX:
             return False
         if self.variant == "group":
-            return w.shape[1] % self.group_size == 0 and w.shape[1] > self.group_size
-        return w[0].numel() > self.proj_dim
+            return w.shape[1] % self.options.group_size == 0 and w.shape[1] > self.options.group_size
+        return w[0].numel() > self.options.proj_dim
 
     def key(self, index: int) -> tuple:
         """The projection a hidden layer uses: shared by fan-in, or its own."""
         d = self.hidden[index].weight[0].numel()
-        return ("fan_in", d) if self.shared_basis else ("layer", index)
+        return ("fan_in", d) if self.options.shared_basis else ("layer", index)
 
     def _terms(self) -> list[tuple[nn.Module, bool, float]]:
         """MHE's terms for the layers CoMHE leaves uncompressed (and the classifier)."""
@@ -164,18 +198,18 @@ class CoMHE(MHE):
     def _sets(self, group: _Group) -> list[tuple[int, list[int]]]:
         """The blocks of point sets a group makes: (sets per layer, points per set of each layer)."""
         if self.variant == "group":
-            return [(group.neuron_shape[0] // self.group_size, group.sizes)]
+            return [(group.neuron_shape[0] // self.options.group_size, group.sizes)]
         if self.variant == "bilateral":
             return [(1, group.sizes), (1, [self._combinations(n) for n in group.sizes])]
-        return [(self.num_proj, group.sizes)]
+        return [(self.options.num_proj, group.sizes)]
 
     def _combinations(self, n: int) -> int:
-        return max(2, min(self.proj_dim, n // 2))  # r < N combinations, so the second energy compresses too
+        return max(2, min(self.options.proj_dim, n // 2))  # r < N combinations, so the second energy compresses too
 
     # ------------------------------------------------------------------ projections (outside the penalty)
     def _generator_on(self, device: torch.device) -> torch.Generator:
         if self._generator is None or self._generator.device != device:
-            self._generator = torch.Generator(device=device).manual_seed(self.seed)
+            self._generator = torch.Generator(device=device).manual_seed(self.options.seed)
         return self._generator
 
     def resample(self) -> None:
@@ -183,11 +217,11 @@ class CoMHE(MHE):
         if self.variant == "group" or not self.groups:
             self._drawn = []
             return
-        w = self.layers[0].weight
+        w, opts = self.layers[0].weight, self.options
         shapes = []
         for group in self.groups:
-            projection = (1 if self.variant == "bilateral" else self.num_proj, self.proj_dim, group.fan_in)
-            shapes.append(projection if self.shared_basis else (len(group.layers), *projection))
+            projection = (1 if self.variant == "bilateral" else opts.num_proj, opts.proj_dim, group.fan_in)
+            shapes.append(projection if opts.shared_basis else (len(group.layers), *projection))
             if self.variant == "bilateral":
                 shapes.append((len(group.layers), max(map(self._combinations, group.sizes)), group.rows))
         numbers = [torch.Size(shape).numel() for shape in shapes]
@@ -212,7 +246,7 @@ class CoMHE(MHE):
         for g, group in enumerate(self.groups):
             p = self._drawn[2 * g if self.variant == "bilateral" else g].to(dtype)
             for l, i in enumerate(group.layers):
-                out[self.key(i)] = p if self.shared_basis else p[l]
+                out[self.key(i)] = p if self.options.shared_basis else p[l]
                 if self.variant == "bilateral":
                     n = group.sizes[l]
                     out[("combine", i)] = self._drawn[2 * g + 1][l, :self._combinations(n), :n].to(dtype)
@@ -222,17 +256,17 @@ class CoMHE(MHE):
         """Pair weights of L_P for a group: 1 / (C n (n - 1)) on real pairs i != j (Tensor[L, N, N])."""
         minus, _ = pair_weights(PointSets(group.rows, tuple(group.sizes), (False,) * len(group.sizes)),
                                 "pair_mean", device)
-        return minus / self.num_proj
+        return minus / self.options.num_proj
 
     def _step(self, p: Tensor, grad: Tensor, sign: float) -> Tensor:
         """Each P_l (Tensor[L, C, k, d]) moved along sign * grad_l: by ap_lr * ||P_l|| (a scale-free step), or by
         ap_lr * grad_l (``ap_step="plain"``)."""
-        if self.ap_step == "plain":
-            return p + sign * self.ap_lr * grad
+        if self.options.ap_step == "plain":
+            return p + sign * self.options.ap_lr * grad
 
         def norm(t):
             return torch.linalg.vector_norm(t, dim=(1, 2, 3), keepdim=True)
-        return p + sign * self.ap_lr * norm(p.detach()) / norm(grad).clamp_min(1e-30) * grad
+        return p + sign * self.options.ap_lr * norm(p.detach()) / norm(grad).clamp_min(1e-30) * grad
 
     def _fit_angle(self) -> None:
         """AP-CoMHE, alternating part: ``ap_steps`` steps on the summed L_P of the layers sharing each P."""
@@ -241,9 +275,9 @@ class CoMHE(MHE):
                 x = self._pack(group, detach=True, dtype=self._dtype)
                 share = self._share_cache(g, group, x.device)
                 p = self._drawn[g].to(self._dtype)
-                for _ in range(self.ap_steps):
+                for _ in range(self.options.ap_steps):
                     grad = angle_distortion_grad(x, p, share)  # (L, C, k, d)
-                    if self.shared_basis:
+                    if self.options.shared_basis:
                         p = self._step(p.unsqueeze(0), grad.sum(0, keepdim=True), -1.0)[0]
                     else:
                         p = self._step(p, grad, -1.0)
@@ -255,7 +289,7 @@ class CoMHE(MHE):
             ps = [p.detach().requires_grad_(True) for p in self._drawn]
             energies = self._compressed([self._projected(group, self._pack(group, detach=True), p)
                                          for group, p in zip(self.groups, ps)])
-            objective = sum(e.sum() for e in energies) / self.num_proj
+            objective = sum(e.sum() for e in energies) / self.options.num_proj
             grads = torch.autograd.grad(objective, ps)
         with torch.no_grad():
             for g, grad in enumerate(grads):
@@ -276,7 +310,7 @@ class CoMHE(MHE):
         due = self.resample_every is not None and self.calls % self.resample_every == 0
         if due or self._drawn is None:
             self.resample()
-        if self.variant == "angle" and self.calls % self.ap_every == 0:
+        if self.variant == "angle" and self.calls % self.options.ap_every == 0:
             self._fit_angle()
         if self.variant == "adversarial":
             self._ascend()
@@ -295,12 +329,12 @@ class CoMHE(MHE):
     def _blocks(self, g: int, group: _Group) -> list[Tensor]:
         x = self._pack(group)
         if self.variant == "group":  # channel groups of a (C_in, k, k) neuron are consecutive coordinates
-            groups = group.neuron_shape[0] // self.group_size
+            groups = group.neuron_shape[0] // self.options.group_size
             return [x.unflatten(2, (groups, -1)).transpose(1, 2).flatten(0, 1)]  # (L * G, N, group_size * k * k)
         p = self._drawn[2 * g if self.variant == "bilateral" else g]
         if self.variant == "bilateral":
             return [self._projected(group, x, p), self._drawn[2 * g + 1] @ x]  # (L, N, k), (L, r, d)
-        if self.variant == "angle" and self.unrolled:  # one unrolled step, a function of W (eq. 6.7)
+        if self.variant == "angle" and self.options.unrolled:  # one unrolled step, a function of W (eq. 6.7)
             p = self._unrolled(g, group, p)
         return [self._projected(group, x, p)]
 
@@ -322,11 +356,11 @@ class CoMHE(MHE):
         return self._shares[key]
 
     def penalty(self) -> Tensor:
-        """lambda_hidden * sum of the hidden layers' compressive energies + lambda_output * E_s(classifier)."""
+        """beta_hidden * sum of the hidden layers' compressive energies + beta_output * E_s(classifier)."""
         if self._drawn is None:
             self.resample()
         total = super().penalty()  # the uncompressed layers and the classifier
-        if self._compressed is None or self.lambda_hidden == 0:
+        if self._compressed is None or self.beta_hidden == 0:
             return total
         points = [block for g, group in enumerate(self.groups) for block in self._blocks(g, group)]
         energies = self._compressed(points)
@@ -338,7 +372,7 @@ class CoMHE(MHE):
                 sets = energies[g].view(len(group.layers), -1)  # (L, C) or (L, groups)
                 per_layer.append(sets.amax(1) if self.variant == "random_max" else sets.mean(1))
         hidden = torch.cat(per_layer).sum() if len(per_layer) > 1 else per_layer[0].sum()
-        return total + (self.lambda_hidden * hidden).to(total.dtype)
+        return total + (self.beta_hidden * hidden).to(total.dtype)
 
     # ------------------------------------------------------------------ analysis
     def layer_energy(self, index: int) -> Tensor:
@@ -351,15 +385,15 @@ class CoMHE(MHE):
         if not self.compressed(layer):
             return hyperspherical_energy(w, self.s, half_space=self.half_space, backend=self.backend)
         if self.variant == "group":
-            return group_energy(w, self.group_size, self.s, self.half_space, self.backend)
+            return group_energy(w, self.options.group_size, self.s, self.half_space, self.backend)
         p = self.projections[self.key(index)]
         if self.variant == "bilateral":
             return bilateral_energy(w, p[0], self.projections[("combine", index)], self.s, self.half_space,
                                     self.backend)
-        if self.variant == "angle" and self.unrolled:
+        if self.variant == "angle" and self.options.unrolled:
             x, p64 = w.flatten(1).to(torch.float64)[None], p.to(torch.float64)[None]
             n = len(w)
-            share = pair_weights(PointSets(n, (n,), (False,)), "pair_mean", w.device)[0] / self.num_proj
+            share = pair_weights(PointSets(n, (n,), (False,)), "pair_mean", w.device)[0] / self.options.num_proj
             p = self._step(p64, angle_distortion_grad(x, p64, share), -1.0)[0].to(w.dtype)
         energies = projected_energies(w, p, self.s, self.half_space, self.backend)
         return energies.amax() if self.variant == "random_max" else energies.mean()
@@ -367,8 +401,8 @@ class CoMHE(MHE):
     def original_energy(self, s: float | None = None, half_space: bool | None = None) -> float:
         """The sum over hidden layers of the unprojected pair-mean energy (default: this regulariser's s and
         space; the thesis plots s = 1 half-space in Figs. 6.1 / E.2 and E_2 of eq. 6.1 in Fig. 6.2)."""
-        return network_energy(self.hidden, self.s if s is None else s,
-                              self.half_space if half_space is None else half_space)
+        return layer_energy(self.hidden, self.s if s is None else s,
+                            self.half_space if half_space is None else half_space)
 
     def state_dict(self) -> dict:
         """What a checkpoint needs to continue the same projections: calls, generator state, projections."""
@@ -383,5 +417,6 @@ class CoMHE(MHE):
         self._drawn = None if state["drawn"] is None else [p.to(device) for p in state["drawn"]]
 
     def __repr__(self) -> str:
-        return (f"CoMHE(variant={self.variant!r}, proj_dim={self.proj_dim}, num_proj={self.num_proj}, s={self.s:g}, "
-                f"half_space={self.half_space}, shared_basis={self.shared_basis}, hidden_layers={len(self.hidden)})")
+        return (f"CoMHE(variant={self.variant!r}, s={self.s:g}, half_space={self.half_space}, "
+                f"beta_hidden={self.beta_hidden:g}, beta_output={self.beta_output:g}, {self.options}, "
+                f"hidden_layers={len(self.hidden)})")

@@ -42,7 +42,7 @@ Note [radius normalisation]
     BatchNorm's.  The seeds keep one mean per kernel; in a convolution every kernel sees the same
     patches, so one scalar per layer is the same thing.  With ``radius_norm=True`` a train-mode
     output is invariant to rescaling the input.  Before evaluating a network trained briefly,
-    :func:`~sphereml.train.recalibrate` re-estimates the average with the weights frozen.
+    :func:`~sphereml.recalibration.recalibrate` re-estimates the average with the weights frozen.
 
 Note [decoupled operator by convolution]
     Like SphereConv (:mod:`sphereml.patches`), nothing is unfolded: u = conv(x, w_hat) is one
@@ -321,7 +321,7 @@ class _DecoupledMixin:
         return batch_mean
 
     def reset_running_stats(self) -> None:
-        """Forget E{||x||} (as ``BatchNorm``'s method of the same name; see :func:`~sphereml.train.recalibrate`)."""
+        """Forget E{||x||} (as ``BatchNorm``'s method of the same name; see :func:`~sphereml.recalibration.recalibrate`)."""
         if self.radius_norm:
             self.norm_mean.fill_(1.0)
             self.norm_mean_updates.zero_()

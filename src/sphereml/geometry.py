@@ -23,7 +23,8 @@ from torch import Tensor
 from ._checks import integer, real_number
 
 __all__ = [
-    "max_abs_scale", "safe_norm", "normalize", "cosine_matrix", "safe_angle", "angle_matrix", "sample_sphere",
+    "max_abs_scale", "safe_norm", "normalize", "cosine_matrix", "safe_angle", "angle_matrix", "pair_cosines",
+    "pair_angles", "min_pair_angle", "sample_sphere",
     "integer_margin", "chebyshev_cos", "psi", "multiplicative_psi", "arcface_psi",
 ]
 
@@ -117,6 +118,38 @@ def angle_matrix(a: Tensor, b: Tensor | None = None, eps: float = 1e-7) -> Tenso
         Tensor[N, M].
     """
     return safe_angle(cosine_matrix(a, b), eps=eps)
+
+
+def pair_cosines(w: Tensor) -> Tensor:
+    """The cosines of the N (N - 1) / 2 unordered pairs of distinct neurons (rows of ``w``, flattened).
+
+    Args:
+        w (Tensor[N, ...]): neurons, one per row; N >= 2.
+
+    Returns:
+        Tensor[N (N - 1) / 2], pair (i, j), i < j, in the order of ``torch.triu_indices(N, N, 1)``.
+    """
+    if not isinstance(w, Tensor) or w.dim() < 2 or len(w) < 2:
+        raise ValueError(f"w must be a Tensor[N >= 2, ...] with one neuron per row, got {getattr(w, 'shape', w)!r}")
+    i, j = torch.triu_indices(len(w), len(w), 1, device=w.device)
+    return cosine_matrix(w.flatten(1))[i, j]
+
+
+def pair_angles(w: Tensor, lines: bool = False, eps: float = 1e-7) -> Tensor:
+    """The angles (radians) of the unordered pairs of distinct neurons, in the order of :func:`pair_cosines`.
+
+    With ``lines=True`` a neuron and its negative count as one direction (the half-space view of
+    thesis §5.3.4): the angle between the lines the two neurons span, min(theta, pi - theta), in [0, pi / 2].
+    Angles come from :func:`safe_angle` (finite gradients; ``eps`` as there).
+    """
+    cos = pair_cosines(w)
+    return safe_angle(cos.abs() if lines else cos, eps=eps)
+
+
+def min_pair_angle(w: Tensor, lines: bool = False, eps: float = 1e-7) -> Tensor:
+    """The smallest angle (radians, 0-dim Tensor) between two distinct neurons, or between the lines they span
+    (``lines=True``): how close the most redundant pair of a layer is (:func:`pair_angles`)."""
+    return pair_angles(w, lines, eps).min()
 
 
 def sample_sphere(

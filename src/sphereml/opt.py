@@ -39,12 +39,12 @@ from . import orthogonalizers as orth
 from ._checks import integer, one_of, real_number
 from .energy import hyperspherical_energy
 from .geometry import normalize as unit_rows
-from .regularizers import Regularizer, network_energy, select_layers  # network_energy: re-exported
+from .regularizers import Regularizer, select_layers
 
 __all__ = [
     "METHODS", "ORTHOGONAL_BY_CONSTRUCTION", "OrthogonalRotation", "orthogonal_overparameterize",
     "overparameterize_model", "rotation_module", "opt_layers", "fixed_neurons", "merge", "resample", "Resampler",
-    "refine_neurons", "network_energy", "OrthogonalRelaxation", "OrthogonalSGD", "ogd_optimizer",
+    "refine_neurons", "OrthogonalRelaxation", "OrthogonalSGD", "ogd_optimizer",
 ]
 
 METHODS = ("gs", "mgs", "householder", "lowdin", "cayley", "matrix_exp", "ogd", "or", "upt")

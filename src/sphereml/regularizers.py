@@ -38,7 +38,7 @@ from .energy.batched import LayerEnergies
 __all__ = [
     "LAYER_KINDS", "output_layer", "select_layers", "Regularizer", "orthonormality_penalty", "Orthonormality",
     "orthogonality_penalty", "Orthogonality",
-    "ConvSimilarity", "model_similarity", "iterative_initialization", "MHE", "network_energy",
+    "ConvSimilarity", "model_similarity", "iterative_initialization", "MHE",
 ]
 
 LAYER_KINDS = ("conv", "linear")
@@ -79,17 +79,11 @@ def select_layers(model: nn.Module, kinds: tuple[str, ...] = LAYER_KINDS,
     return chosen
 
 
-@torch.no_grad()
-def network_energy(layers: list[nn.Module], s: float = 2.0, half_space: bool = True) -> float:
-    """Sum over ``layers`` of the pair-mean energy of their neurons, as a number (half-space, s = 2 by
-    default: the measure of thesis Table 7.2; s = 1 is that of Figs. 6.1 and E.2)."""
-    return float(sum(hyperspherical_energy(m.weight.detach(), s, half_space=half_space) for m in layers))
-
-
 class Regularizer:
     """Base class: ``__init__(model, ...)`` selects ``self.layers`` once; ``__call__()`` returns the penalty.
 
-    Subclasses implement :meth:`penalty` (the unweighted sum) and set ``self.beta`` (its weight).  A
+    Subclasses implement :meth:`penalty` (the unweighted sum) and set ``self.beta`` (its weight; a regulariser's
+    weights are ``beta`` throughout the package, ``beta_hidden`` and ``beta_output`` for MHE's two terms).  A
     regulariser with state that changes from step to step (CoMHE's projections) updates it in
     :meth:`before_step`, so that :meth:`penalty` is a pure function of the weights that
     ``torch.compile(fullgraph=True)`` can trace; ``__call__`` runs both, and
@@ -241,7 +235,7 @@ def iterative_initialization(model: nn.Module, steps: int, lr: float = 1e-3, bet
 class MHE(Regularizer):
     """Minimum hyperspherical energy regulariser (thesis eq. 5.4):
 
-        lambda_hidden * sum_hidden E_s(layer) + lambda_output * E_s(classifier),
+        beta_hidden * sum_hidden E_s(layer) + beta_output * E_s(classifier),
 
     each E_s the pair mean of :func:`~sphereml.energy.hyperspherical_energy` over the layer's
     neurons (a conv kernel flattened over C x k x k is one neuron).  Hidden layers are every
@@ -258,20 +252,21 @@ class MHE(Regularizer):
         model (nn.Module): the network; its layers are selected once, here.
         s, metric, backend: passed to :func:`~sphereml.energy.hyperspherical_energy`.
         half_space (bool): half-space MHE in hidden layers. Default: False.
-        lambda_hidden, lambda_output (float): weights (the thesis's defaults: 10 for full-space and
+        beta_hidden, beta_output (float): the weights lambda_h and lambda_o of eq. 5.4 (named ``beta_*`` as every
+            regulariser's weight is; the thesis's defaults: 10 for full-space and
             1 for half-space hidden MHE, 1 for the output layer; App. D.1). Default: 1 and 1.
     """
 
     def __init__(self, model: nn.Module, s: float = 2.0, half_space: bool = False, metric: str = "euclidean",
-                 lambda_hidden: float = 1.0, lambda_output: float = 1.0, backend: str = "auto"):
-        self.lambda_hidden = real_number("lambda_hidden", lambda_hidden, at_least=0.0)
-        self.lambda_output = real_number("lambda_output", lambda_output, at_least=0.0)
+                 beta_hidden: float = 1.0, beta_output: float = 1.0, backend: str = "auto"):
+        self.beta_hidden = real_number("beta_hidden", beta_hidden, at_least=0.0)
+        self.beta_output = real_number("beta_output", beta_output, at_least=0.0)
         self.metric = one_of("metric", metric, METRICS)
         self.s = real_number("s", s, at_least=0.0)
         self.half_space, self.backend = bool(half_space), one_of("backend", backend, BACKENDS)
         output = output_layer(model)
         self.hidden = [m for m in select_layers(model, LAYER_KINDS, include_output=False) if m.weight.shape[0] >= 2]
-        use_output = output is not None and self.lambda_output > 0 and output.weight.shape[0] >= 2
+        use_output = output is not None and self.beta_output > 0 and output.weight.shape[0] >= 2
         self.output = output if use_output else None
         self.layers = self.hidden + ([self.output] if self.output is not None else [])
         if not self.layers:
@@ -280,9 +275,9 @@ class MHE(Regularizer):
 
     def _terms(self) -> list[tuple[nn.Module, bool, float]]:
         """(layer, half space, coefficient) of every energy in the penalty."""
-        terms = [(m, self.half_space, self.lambda_hidden) for m in self.hidden]
+        terms = [(m, self.half_space, self.beta_hidden) for m in self.hidden]
         if self.output is not None:
-            terms.append((self.output, False, self.lambda_output))  # classifier neurons: full space (§5.3.4)
+            terms.append((self.output, False, self.beta_output))  # classifier neurons: full space (§5.3.4)
         return terms
 
     def _bind_energies(self) -> None:
@@ -332,5 +327,5 @@ class MHE(Regularizer):
 
     def __repr__(self) -> str:
         return (f"MHE(s={self.s:g}, metric={self.metric!r}, half_space={self.half_space}, "
-                f"lambda_hidden={self.lambda_hidden:g}, lambda_output={self.lambda_output:g}, "
+                f"beta_hidden={self.beta_hidden:g}, beta_output={self.beta_output:g}, "
                 f"hidden_layers={len(self.hidden)}, output={self.output is not None})")

@@ -17,6 +17,7 @@ Note [peak memory of one call]
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import platform
@@ -31,8 +32,8 @@ import torch
 from . import _io
 from ._checks import integer
 
-__all__ = ["device_name", "environment", "median_seconds", "Comparison", "compare", "peak_memory", "training_step",
-           "save_result"]
+__all__ = ["device_name", "environment", "median_seconds", "Comparison", "compare", "PeakMemory", "peak_memory",
+           "forward_backward", "training_step", "save_result"]
 
 
 def device_name(device: torch.device | str) -> str:
@@ -120,26 +121,45 @@ def compare(candidates: dict[str, Callable[[], object]], baseline: str, device: 
     return Comparison(baseline, seconds, samples)
 
 
-def peak_memory(fn: Callable[[], object], device: torch.device | str = "cpu") -> int | None:
-    """Bytes of memory ``fn()`` needs above what is already held, at its peak (Note [peak memory of one call])."""
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        fn()
-        torch.cuda.synchronize()
-        return torch.cuda.max_memory_allocated() - base
-    try:
-        import ctypes
+class PeakMemory:
+    """``with PeakMemory(device) as peak: ...`` -- afterwards ``peak.bytes`` is the most memory the block held
+    above what was held when it began (Note [peak memory of one call]); None where the CPU cannot tell."""
 
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # resets VmHWM to the current resident size
-    except OSError:
-        return None
-    base = _status_bytes("VmRSS")
-    fn()
-    return max(_status_bytes("VmHWM") - base, 0)
+    def __init__(self, device: torch.device | str = "cpu"):
+        self.cuda = torch.device(device).type == "cuda"
+        self.bytes: int | None = None
+        self._base: int | None = None
+
+    def __enter__(self) -> "PeakMemory":
+        if self.cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            self._base = torch.cuda.memory_allocated()
+            return self
+        try:
+            import ctypes
+
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")  # resets VmHWM to the current resident size
+            self._base = _status_bytes("VmRSS")
+        except OSError:
+            self._base = None
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+            self.bytes = torch.cuda.max_memory_allocated() - self._base
+        elif self._base is not None:
+            self.bytes = max(_status_bytes("VmHWM") - self._base, 0)
+
+
+def peak_memory(fn: Callable[[], object], device: torch.device | str = "cpu") -> int | None:
+    """Bytes of memory ``fn()`` needs above what is already held, at its peak (:class:`PeakMemory`)."""
+    with PeakMemory(device) as peak:
+        fn()
+    return peak.bytes
 
 
 def _status_bytes(key: str) -> int:
@@ -149,18 +169,45 @@ def _status_bytes(key: str) -> int:
     raise OSError(f"{key} not in /proc/self/status")
 
 
+def forward_backward(operators: dict[str, Callable], x: torch.Tensor, target: torch.Tensor,
+                     dtype: torch.dtype | None = None) -> dict[str, Callable[[], None]]:
+    """Candidates for :func:`compare` that time layers: one forward + backward step per operator
+    (label -> ``op(x)``).
+
+    Each step clears ``x.grad``, runs ``op(x)`` (under autocast to ``dtype`` when given) and back-propagates
+    ``sum(op(x) * target)``, the same work for every candidate; ``x`` needs ``requires_grad`` for the input
+    gradient to count.
+    """
+    cast = (lambda: torch.autocast(x.device.type, dtype=dtype)) if dtype is not None else contextlib.nullcontext
+
+    def step(op):
+        x.grad = None
+        with cast():
+            out = op(x)
+        (out.float() * target).sum().backward()
+
+    return {label: (lambda op=op: step(op)) for label, op in operators.items()}
+
+
+def _cross_entropy(net: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.cross_entropy(net(x), y)
+
+
 def training_step(net: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, optimizer: torch.optim.Optimizer,
                   regularizer: Callable[[], torch.Tensor] | None = None,
-                  compile: bool | str = False) -> Callable[[], None]:
-    """A candidate for :func:`compare`: one optimiser step of ``net`` on the batch (x, y), cross-entropy plus
-    ``regularizer()`` when given.  ``compile`` (True or a mode): the loss and penalty through ``torch.compile``
-    (a regulariser's ``before_step`` stays eager), as ``fit(compile=...)`` runs them."""
+                  compile: bool | str = False,
+                  loss: Callable[[torch.nn.Module, torch.Tensor, torch.Tensor], torch.Tensor] = _cross_entropy,
+                  ) -> Callable[[], None]:
+    """A candidate for :func:`compare`: one optimiser step of ``net`` on the batch (x, y), ``loss(net, x, y)``
+    (default: cross-entropy of ``net(x)``) plus ``regularizer()`` when given.  ``compile`` (True or a mode):
+    the loss and penalty through ``torch.compile`` (a regulariser's ``before_step`` stays eager), as
+    ``fit(compile=...)`` runs them."""
     before = getattr(regularizer, "before_step", None)
     penalty = getattr(regularizer, "weighted_penalty", regularizer)
 
     def objective():
-        loss = torch.nn.functional.cross_entropy(net(x), y)
-        return loss + penalty() if penalty is not None else loss
+        value = loss(net, x, y)
+        return value + penalty() if penalty is not None else value
 
     if compile:
         objective = torch.compile(objective, mode=None if compile is True else compile)

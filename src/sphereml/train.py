@@ -26,6 +26,7 @@ import math
 import os
 import random
 import time
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
@@ -41,8 +42,7 @@ from ._checks import integer, real_number
 
 __all__ = [
     "seed_everything", "resolve_device", "fit", "evaluate", "collect_outputs",
-    "History", "StepState", "Tracker", "default_loss", "num_steps", "batches", "recalibrate", "has_running_stats",
-    "stats_fresh",
+    "History", "StepState", "Tracker", "default_loss", "num_steps", "on_device", "batches",
 ]
 
 DEVICES = ("auto", "cpu", "cuda")
@@ -145,13 +145,32 @@ def default_loss(model: nn.Module, x: Tensor, y: Tensor) -> tuple[Tensor, Tensor
     return F.cross_entropy(logits, y), logits
 
 
+_ON_DEVICE: "weakref.WeakKeyDictionary[TensorDataset, dict]" = weakref.WeakKeyDictionary()
+
+
+def on_device(data: Dataset, device: str | torch.device) -> Dataset:
+    """``data`` with its tensors on ``device``: a TensorDataset is copied there once and the copy kept while
+    ``data`` lives (every later call returns it), so training and evaluation index batches on the device and
+    copy nothing from the host per batch.  Other datasets, and tensors already there, are returned as they are.
+    (A TensorDataset changed in place after its first copy keeps the old copy.)"""
+    dev = torch.device(device)
+    if not isinstance(data, TensorDataset) or all(t.device == dev for t in data.tensors):
+        return data
+    copies = _ON_DEVICE.setdefault(data, {})
+    if dev not in copies:
+        copies[dev] = TensorDataset(*(t.to(dev) for t in data.tensors))
+    return copies[dev]
+
+
 def batches(data: Dataset, batch_size: int, shuffle: bool = False,
             generator: torch.Generator | None = None) -> Iterator:
     """Tuples of tensors, ``batch_size`` samples each (the last may be smaller), in order or shuffled by ``generator``
-    (a TensorDataset is indexed directly: much faster than a DataLoader for in-memory data)."""
+    (a TensorDataset is indexed directly, where its tensors are: much faster than a DataLoader for in-memory data;
+    the order is drawn on the CPU, so a seed gives the same batches on every device, and moved once)."""
     if isinstance(data, TensorDataset):  # fast path: index the tensors directly
         n = len(data)
         order = torch.randperm(n, generator=generator) if shuffle else torch.arange(n)
+        order = order.to(data.tensors[0].device)
         for start in range(0, n, batch_size):
             idx = order[start:start + batch_size]
             yield tuple(t[idx] for t in data.tensors)
@@ -260,7 +279,8 @@ def fit(model: nn.Module, train_data: Dataset, *, epochs: int, batch_size: int =
 
     from tqdm import tqdm
 
-    model._sphereml_stats_fresh = False  # the weights move: running statistics lag them (see recalibrate)
+    model._sphereml_stats_fresh = False  # the weights move: running statistics lag (sphereml.recalibration)
+    train_data = on_device(train_data, dev)
     bar = tqdm(range(start_epoch, epochs), disable=not progress, desc="fit", leave=False)
     step = len(history.steps)
     for epoch in bar:
@@ -360,63 +380,16 @@ def _step_objective(model: nn.Module, loss_fn: LossFn, regularizer, compile) -> 
 
 
 @torch.no_grad()
-def recalibrate(model: nn.Module, data: Dataset, *, batch_size: int = 256, max_batches: int | None = None,
-                device: str | torch.device = "auto") -> int:
-    """Re-estimate every running statistic of ``model`` from ``data`` before an evaluation; returns how many modules.
-
-    BatchNorm's running mean and variance (and a decoupled layer's running E{||x||}) are exponential averages
-    collected while the weights were still moving, so they lag the current network and eval-mode accuracy is
-    misleading.  Every module with ``reset_running_stats`` is reset and made cumulative (``momentum = None``),
-    the batches of ``data`` (in order, the first ``max_batches``) run through the model in training mode
-    without gradients, and momentum and mode are put back.  The parameters are untouched.
-    """
-    integer("batch_size", batch_size, at_least=1)
-    if max_batches is not None:
-        integer("max_batches", max_batches, at_least=1)
-    dev = resolve_device(device)
-    modules = _with_running_stats(model)
-    momenta = [m.momentum for m in modules]
-    was_training = model.training
-    for m in modules:
-        m.reset_running_stats()
-        m.momentum = None
-    model.train()
-    for i, batch in enumerate(batches(data, batch_size, False, None)):
-        if max_batches is not None and i >= max_batches:
-            break
-        model(_to_device(batch, dev)[0])
-    for m, momentum in zip(modules, momenta):
-        m.momentum = momentum
-    model.train(was_training)
-    model._sphereml_stats_fresh = True  # until the next fit (see stats_fresh)
-    return len(modules)
-
-
-def has_running_stats(model: nn.Module) -> bool:
-    """Whether ``model`` keeps running statistics (BatchNorm, a decoupled layer's running norm)."""
-    return bool(_with_running_stats(model))
-
-
-def _with_running_stats(model: nn.Module) -> list[nn.Module]:
-    return [m for m in model.modules() if callable(getattr(m, "reset_running_stats", None)) and hasattr(m, "momentum")]
-
-
-def stats_fresh(model: nn.Module) -> bool:
-    """Whether ``model``'s running statistics were recalibrated (:func:`recalibrate`) after its last :func:`fit`."""
-    return bool(getattr(model, "_sphereml_stats_fresh", False))
-
-
-@torch.no_grad()
 def collect_outputs(fn: Callable[[Tensor], Tensor], data: Dataset, batch_size: int = 512,
                     device: str | torch.device = "auto") -> tuple[Tensor, Tensor]:
     """Apply ``fn`` (e.g. ``model.features``) to every input in order; returns (outputs, labels) on the CPU."""
     dev = resolve_device(device)
     outs, labels = [], []
-    for batch in batches(data, batch_size, False, None):
+    for batch in batches(on_device(data, dev), batch_size, False, None):
         x, y = _to_device(batch, dev)
-        outs.append(fn(x).cpu())
-        labels.append(y.cpu())
-    return torch.cat(outs), torch.cat(labels)
+        outs.append(fn(x))
+        labels.append(y)
+    return torch.cat(outs).cpu(), torch.cat(labels).cpu()  # one copy to the host
 
 
 @torch.no_grad()
@@ -431,14 +404,16 @@ def evaluate(model: nn.Module, data: Dataset, *, batch_size: int = 512, device: 
     loss_fn = loss_fn or default_loss
     was_training = model.training
     model.eval()
-    total_loss, correct, seen = 0.0, 0, 0
-    logits = None
-    for batch in batches(data, batch_size, False, None):
+    total_loss = torch.zeros((), dtype=torch.float64, device=dev)  # summed on the device, read once at the end
+    correct = torch.zeros((), dtype=torch.long, device=dev)
+    seen, logits = 0, None
+    for batch in batches(on_device(data, dev), batch_size, False, None):
         x, y = _to_device(batch, dev)
         loss, logits = loss_fn(model, x, y)
-        total_loss += float(loss) * len(y)
+        total_loss += loss.detach().double() * len(y)
         if logits is not None:
-            correct += int((logits.argmax(1) == y).sum())
+            correct += (logits.argmax(1) == y).sum()
         seen += len(y)
     model.train(was_training)
-    return {"loss": total_loss / max(seen, 1), "accuracy": correct / max(seen, 1) if logits is not None else None}
+    accuracy = int(correct) / max(seen, 1) if logits is not None else None
+    return {"loss": float(total_loss) / max(seen, 1), "accuracy": accuracy}

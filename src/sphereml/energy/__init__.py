@@ -31,13 +31,14 @@ device for them.
 from __future__ import annotations
 
 import warnings
+from typing import Sequence
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from .._checks import integer, labels as _check_labels, one_of, real_number, values_readable
 from ..geometry import normalize
-from .batched import PointSets, pair_weights
+from .batched import REDUCTIONS, LayerEnergies, PointSets, pair_weights
 from .gram import gram_energies
 from .dense import dense_energy
 from .kernels import METRICS, pair_values, squared_distances
@@ -45,8 +46,8 @@ from .sharded import sharded_energy
 from .tiled import tiled_energy
 from .triton_backend import TRITON_DTYPES, matmul_precision, triton_energy, triton_importable, usable_on
 
-__all__ = ["hyperspherical_energy", "minibatch_energy", "sharded_energy", "energy_metric", "output_energy", "BACKENDS",
-           "BATCHED_MAX", "METRICS"]
+__all__ = ["hyperspherical_energy", "minibatch_energy", "sharded_energy", "energy_metric", "layer_energy",
+           "output_energy", "BACKENDS", "BATCHED_MAX", "METRICS", "REDUCTIONS"]
 
 BACKENDS = ("auto", "dense", "tiled", "triton", "batched")
 # Layers of at most this many neurons go to the batched, sync-free evaluation (Note [batched energy]) in the
@@ -54,16 +55,13 @@ BACKENDS = ("auto", "dense", "tiled", "triton", "batched")
 # float64 Gram matrices and pair weights hold 8 N^2 bytes each (32 MiB at 2048).
 BATCHED_MAX = 2048
 # Above this many points (2N for half_space) ``auto`` leaves dense for tiled on the CPU.  Set from
-# benchmarks/results/energy_fwd_bwd-cpu.json, "crossover" (d = 256, s = 2, fwd + bwd, one thread): dense
-# is faster up to N = 64 (0.8 vs 0.9 ms), tiled from N = 128 on (1.2 vs 1.3 ms; 4096: 0.44 vs 1.71 s).
-# The former 2048 was never measured; at N = 16384 tiled is 6.7x faster (the "runs" of the same file).
+# benchmarks/results/energy_fwd_bwd-cpu.json, "crossover" (d = 256, s = 2, fwd + bwd, one thread): the
+# largest N at which dense is still faster ("fast_above").
 TILED_ABOVE = 64
-# The same switch for CUDA tensors: benchmarks/results/energy_fwd_bwd-cuda.json, "crossover" (H200, d = 256,
-# float64, fwd + bwd): dense is faster up to N = 1024 (2.2 vs 2.5 ms), tiled from 2048 on (2.4 vs 2.9 ms).
+# The same switch for CUDA tensors: the float64 "crossover" of benchmarks/results/energy_fwd_bwd-cuda.json.
 TILED_ABOVE_CUDA = 1024
-# Float32 / half CUDA tensors at TF32 precision: triton above this many points.  The same file's float32 dense
-# vs triton crossover (d = 256, measured at "highest") has triton faster from N = 4096 on; at N = 32768,
-# d = 512 and TF32, triton takes 0.115 s against dense's 0.59 s (energy_triton_configs-cuda.json).
+# Float32 / half CUDA tensors at TF32 precision: triton above this many points, from the float32 dense vs
+# triton "crossover" of the same file (measured at "highest", the kernel's slowest setting).
 TRITON_ABOVE = 2048
 _warned_no_triton = False
 
@@ -215,6 +213,50 @@ def minibatch_energy(w: Tensor, batch: int, s: float = 2.0, metric: str = "eucli
 def energy_metric(w: Tensor, s: float = 2.0, metric: str = "euclidean", half_space: bool = False) -> float:
     """The energy as a number for analysis (no graph; tiled or triton above a few thousand neurons)."""
     return float(hyperspherical_energy(w.detach(), s=s, metric=metric, half_space=half_space))
+
+
+@torch.no_grad()
+def layer_energy(layers: Sequence[Tensor | nn.Module], s: float = 2.0, half_space: bool = False,
+                 reduction: str = "pair_mean", metric: str = "euclidean") -> float:
+    """The energy of a network's layers as one number: the sum over layers of each layer's energy.
+
+    The one measure every chapter reports on trained networks.  The defaults are those of
+    :func:`hyperspherical_energy` (full space, pair mean); the thesis's measures are
+    ``half_space=True`` with s = 2 (Table 7.2) or s = 1 (Figs. 6.1 and E.2), and
+    ``reduction="pair_sum"``, s = 2 for E_2 of eq. 6.1 (Fig. 6.2).
+
+    Args:
+        layers: modules with a ``weight`` Tensor[n, ...] or the weights themselves, one neuron per row.
+        s (float): Riesz exponent >= 0. Default: 2.
+        half_space (bool): each layer with its virtual neurons -w_i (§5.3.4). Default: False.
+        reduction (str): ``"pair_mean"`` (each layer's mean over ordered pairs, as eq. 5.4) or
+            ``"pair_sum"`` (its sum over ordered pairs, E_s of eq. 5.1). Default: ``"pair_mean"``.
+        metric (str): ``"euclidean"`` or ``"angular"``. Default: ``"euclidean"``.
+
+    Returns:
+        float.  Layers of at most ``BATCHED_MAX`` neurons go through the batched engine in one evaluation
+        (Note [batched energy] in :mod:`~sphereml.energy.batched`), larger ones through
+        :func:`hyperspherical_energy` one by one.
+    """
+    s = _check_s(s)
+    one_of("reduction", reduction, REDUCTIONS)
+    one_of("metric", metric, METRICS)
+    weights = [getattr(layer, "weight", layer) for layer in layers]
+    if not weights:
+        raise ValueError("layers must hold at least one layer, got none")
+    for w in weights:
+        _check_w(w)
+    small = [w.detach() for w in weights if len(w) <= BATCHED_MAX]
+    large = [w.detach() for w in weights if len(w) > BATCHED_MAX]
+    total = 0.0
+    if small:
+        engine = LayerEnergies([w.shape for w in small], s, metric, half_space, reduction=reduction)
+        total += float(engine.total(small))
+    for w in large:
+        points = 2 * len(w) if half_space else len(w)
+        pairs = points * (points - 1) if reduction == "pair_sum" else 1
+        total += pairs * float(hyperspherical_energy(w, s, metric, half_space))
+    return total
 
 
 def output_energy(weight: Tensor, labels: Tensor, s: float = 2.0, eps: float = 1e-7) -> Tensor:

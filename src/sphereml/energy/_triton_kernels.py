@@ -31,6 +31,8 @@ import triton.language as tl
 
 from .triton_backend import interpreting
 
+__all__ = ["TUNING_KEY", "forward_kernel", "backward_kernel"]
+
 
 def _config(warps, stages, **blocks):
     return triton.Config(blocks, num_warps=warps, num_stages=stages)

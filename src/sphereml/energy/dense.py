@@ -7,6 +7,8 @@ from torch import Tensor
 
 from .kernels import pair_values, squared_distances
 
+__all__ = ["dense_energy"]
+
 
 def dense_energy(points: Tensor, s: float, metric: str, eps: float) -> Tensor:
     """Mean over ordered pairs i != j of f(q_i, q_j) (autograd does the backward pass).

@@ -66,6 +66,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+__all__ = ["METRICS", "CLOSE_R2", "close_mask", "squared_distances", "pair_values"]
+
 METRICS = ("euclidean", "angular")
 CLOSE_R2 = 0.05  # Note [close pairs]: r^2 below this (for unit points) is recomputed from differences
 

@@ -21,6 +21,8 @@ from torch import Tensor
 
 from .kernels import CLOSE_R2, pair_values
 
+__all__ = ["block_size", "block_sum", "block_gradient", "TiledEnergy", "tiled_energy"]
+
 
 def block_size(m: int, budget: int = 2**22) -> int:
     """Rows per block so that one block of pair values holds about ``budget`` numbers."""

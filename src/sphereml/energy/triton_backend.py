@@ -23,16 +23,16 @@ The Gram and gradient products follow ``torch.get_float32_matmul_precision()`` w
 energy is called, as PyTorch's own matmuls do:
 
 * ``"highest"`` (PyTorch's default) -> ``input_precision="ieee"``: exact float32 FMA products,
-  no tensor cores.  Slow: N = 32768, d = 512, s = 2 forward + backward took 1.74 s on an H200
-  (forward 0.077 s; dense 0.59 s), so ``auto`` does not pick this kernel at "highest".
+  no tensor cores.  Slower than dense at every size measured, so ``auto`` does not pick this
+  kernel at "highest" (benchmarks/results/energy_fwd_bwd-cuda.json, "precisions").
 * ``"high"`` and ``"medium"`` -> ``"tf32"``: one TF32 tensor-core product (10-bit mantissa, unit
   roundoff 2^-11), as cuBLAS does for PyTorch's own matmuls at both settings.  The squared
-  distance of a far pair is off by up to 2e-3 (emulated for unit rows: max 1.1e-4 at d = 512,
-  1.3e-3 at d = 3; the energy at N = 32768, d = 512 moved by 4e-6 relative on an H200 with the
-  previous kernel).  0.115 s forward + backward at N = 32768, d = 512 on an H200, 5.1x faster
-  than dense (0.59 s, 62 GiB peak) in O(N d) memory.  ``"tf32x3"`` (three TF32 products, float32
-  accuracy) is not used: an autotuned tf32x3 configuration hit an illegal memory access there
-  (Triton 3.6; benchmarks/results/energy_triton_configs-cuda.json).
+  distance of a far pair is off by up to 2e-3 (the Gram error emulated for unit rows is
+  "gram_error_emulated" in benchmarks/results/energy_fwd_bwd-cpu.json; the value and gradient
+  errors against float64 are in the "precisions" of energy_fwd_bwd-cuda.json).  Several times
+  faster than dense there, in O(N d) memory instead of dense's O(N^2).  ``"tf32x3"`` (three TF32
+  products, float32 accuracy) is not used: an autotuned tf32x3 configuration hit an illegal memory
+  access (Triton 3.6; benchmarks/results/energy_triton_configs-cuda.json).
 
 Tested under ``TRITON_INTERPRET=1`` on the CPU (values and gradients against float64 dense,
 ragged sizes, duplicates and close pairs, half space, s = 0, 1, 1.5, 2, each precision
@@ -59,6 +59,9 @@ import torch
 from torch import Tensor
 
 from .kernels import CLOSE_R2
+
+__all__ = ["TRITON_DTYPES", "PRECISIONS", "TUNE_CAP", "triton_importable", "interpreting", "usable_on",
+           "matmul_precision", "TritonEnergy", "triton_energy"]
 
 TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 PRECISIONS = {"highest": "ieee", "high": "tf32", "medium": "tf32"}  # torch setting -> tl.dot input_precision

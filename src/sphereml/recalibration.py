@@ -1,0 +1,94 @@
+"""Running statistics re-estimated before an evaluation: the book's one evaluation rule for networks that
+keep them (BatchNorm; a decoupled layer's running E{||x||}, :mod:`~sphereml.decoupled`).
+
+Running averages are collected while the weights move, so they lag the network; :func:`recalibrate`
+re-estimates them with the weights frozen, :func:`recalibrated` does so for the length of a ``with`` block
+(a curve point in the middle of training) and puts the run's own statistics back.  :func:`stats_fresh`
+says whether a model was recalibrated since its last :func:`~sphereml.train.fit`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+
+from ._checks import integer
+from .train import batches, on_device, resolve_device
+
+__all__ = ["recalibrate", "recalibrated", "has_running_stats", "stats_fresh"]
+
+
+@torch.no_grad()
+def recalibrate(model: nn.Module, data: Dataset, *, batch_size: int = 256, max_batches: int | None = None,
+                device: str | torch.device = "auto") -> int:
+    """Re-estimate every running statistic of ``model`` from ``data`` before an evaluation; returns how many modules.
+
+    BatchNorm's running mean and variance (and a decoupled layer's running E{||x||}) are exponential averages
+    collected while the weights were still moving, so they lag the current network and eval-mode accuracy is
+    misleading.  Every module with ``reset_running_stats`` is reset and made cumulative (``momentum = None``),
+    the batches of ``data`` (in order, the first ``max_batches``) run through the model in training mode
+    without gradients, and momentum and mode are put back.  The parameters are untouched.
+    """
+    integer("batch_size", batch_size, at_least=1)
+    if max_batches is not None:
+        integer("max_batches", max_batches, at_least=1)
+    dev = resolve_device(device)
+    modules = _with_running_stats(model)
+    momenta = [m.momentum for m in modules]
+    was_training = model.training
+    for m in modules:
+        m.reset_running_stats()
+        m.momentum = None
+    model.train()
+    for i, batch in enumerate(batches(on_device(data, dev), batch_size, False, None)):
+        if max_batches is not None and i >= max_batches:
+            break
+        model(batch[0].to(dev, non_blocking=True))
+    for m, momentum in zip(modules, momenta):
+        m.momentum = momentum
+    model.train(was_training)
+    model._sphereml_stats_fresh = True  # until the next fit (see stats_fresh)
+    return len(modules)
+
+
+@contextlib.contextmanager
+def recalibrated(model: nn.Module, data: Dataset, **kwargs) -> Iterator[nn.Module]:
+    """``with recalibrated(model, data): ...`` -- inside the block ``model`` has running statistics re-estimated
+    from ``data`` (:func:`recalibrate`, ``kwargs`` as there); after it, the statistics it had before are back.
+
+    For evaluations in the middle of training (a convergence curve): the network is measured as the book's
+    evaluation rule measures it, and training goes on with the running averages it would have had anyway.
+    """
+    modules = _with_running_stats(model)
+    saved = [{name: b.clone() for name, b in m.named_buffers(recurse=False)} for m in modules]
+    fresh = getattr(model, "_sphereml_stats_fresh", None)
+    try:
+        recalibrate(model, data, **kwargs)
+        yield model
+    finally:
+        with torch.no_grad():
+            for m, buffers in zip(modules, saved):
+                for name, value in buffers.items():
+                    getattr(m, name).copy_(value)
+        if fresh is None:
+            del model._sphereml_stats_fresh
+        else:
+            model._sphereml_stats_fresh = fresh
+
+
+def has_running_stats(model: nn.Module) -> bool:
+    """Whether ``model`` keeps running statistics (BatchNorm, a decoupled layer's running norm)."""
+    return bool(_with_running_stats(model))
+
+
+def _with_running_stats(model: nn.Module) -> list[nn.Module]:
+    return [m for m in model.modules() if callable(getattr(m, "reset_running_stats", None)) and hasattr(m, "momentum")]
+
+
+def stats_fresh(model: nn.Module) -> bool:
+    """Whether ``model``'s running statistics were recalibrated (:func:`recalibrate`) after its last :func:`fit`."""
+    return bool(getattr(model, "_sphereml_stats_fresh", False))
