@@ -135,3 +135,17 @@ def test_evaluate_recalibrates_running_statistics_once_after_each_fit(tmp_path, 
     ch.fit(plain, data, epochs=1)
     ch.evaluate(plain, data)
     assert calls == [1, 1]  # nothing to recalibrate
+
+
+def test_a_tiny_gpu_run_takes_gpu_paths_at_smoke_sizes(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPHEREML_GPU_TINY", "1")
+    ch = chapter.Chapter("demo", profile="gpu", device="cpu", output_dir=str(tmp_path))
+    assert ch.profile == "gpu" and ch.tiny and ch.scale == "smoke" and ch.pick(smoke=1, cpu=8, gpu=50) == 1
+    assert ch.gpu_size(40, 1) == 1
+    train, test = ch.cifar(100)
+    assert train.tensors[0].shape == (32, 3, 32, 32) and len(test) == 16
+    assert set(train.tensors[1].tolist()) == set(range(32)) and ch.metrics["tiny"] is True
+    assert not chapter.Chapter("demo", profile="cpu", device="cpu", output_dir=str(tmp_path)).tiny
+    monkeypatch.delenv("SPHEREML_GPU_TINY")
+    full = chapter.Chapter("demo", profile="gpu", device="cpu", output_dir=str(tmp_path))
+    assert full.pick(smoke=1, cpu=8, gpu=50) == 50 and full.gpu_size(40, 1) == 40

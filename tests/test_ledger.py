@@ -77,6 +77,9 @@ def test_collect_merges_profiles_skips_smoke_and_replaces_reruns(tmp_path):
     no_claims = _metrics(tmp_path / "n", "10_z", "cpu", [])
     snapshot = ledger.collect([first, smoke, no_claims])
     assert list(snapshot["chapters"]["01_a"]) == ["cpu"] and "10_z" not in snapshot["chapters"]
+    tiny = _metrics(tmp_path / "t", "01_a", "gpu", [_claim("x", "holds")])
+    tiny.write_text(json.dumps({**json.loads(tiny.read_text()), "tiny": True}))  # SPHEREML_GPU_TINY: code paths only
+    assert "gpu" not in ledger.collect([tiny], snapshot)["chapters"]["01_a"]
     gpu = _metrics(tmp_path / "g", "01_a", "gpu", [_claim("x", "holds")])
     snapshot = ledger.collect([gpu], snapshot)
     assert sorted(snapshot["chapters"]["01_a"]) == ["cpu", "gpu"]

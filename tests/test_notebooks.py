@@ -141,6 +141,21 @@ def test_chapter_runs_in_smoke_profile(name, smoke_run):
     print(f"{name}: smoke run {run.seconds:.1f} s")
 
 
+@pytest.mark.notebook
+@pytest.mark.parametrize("name", CHAPTERS)
+def test_chapter_gpu_paths_run_tiny(name, offline_smoke, monkeypatch, tmp_path):
+    """The gpu profile's own code (CIFAR sections, its seeds and branches) at the smoke profile's sizes, on this
+    CPU (SPHEREML_GPU_TINY=1, :class:`sphereml.chapter.Chapter`): CI proves it executes before a GPU runs it."""
+    monkeypatch.setenv("SPHEREML_PROFILE", "gpu")
+    monkeypatch.setenv("SPHEREML_GPU_TINY", "1")
+    executed = nbformat.read(book.run_chapter(name, {}, tmp_path), as_version=4)
+    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    assert metrics["profile"] == "gpu" and metrics["tiny"] is True
+    skipped = [k for k in metrics if k.startswith("cifar") and k.endswith("_skipped")]
+    assert not skipped, f"{name} skipped {skipped}: the tiny CIFAR stands in for the archive"
+    assert not [o for c in executed.cells if c.cell_type == "code" for o in c.outputs if o.output_type == "error"]
+
+
 # Values that measure the machine rather than the mathematics: wall times and ratios of times.
 TIMING = re.compile(r"seconds|timing|time\b|time_ratio|step_ratios", re.I)
 

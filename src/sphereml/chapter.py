@@ -25,6 +25,7 @@ from pathlib import Path
 
 import matplotlib.pyplot as plt
 import torch
+from torch.utils.data import TensorDataset
 
 from . import _io, data, distributed, viz
 from ._checks import integer
@@ -82,6 +83,17 @@ def resolve_output_dir(chapter: str, output_dir: str | os.PathLike = "") -> Path
     return default_output_dir(chapter)
 
 
+def _tiny_cifar(num_classes: int, seed: int) -> tuple[TensorDataset, TensorDataset]:
+    """Random images of CIFAR's shape (3 x 32 x 32, in [0, 1]), labels cycling through the classes: code paths,
+    not results."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def images(n: int) -> TensorDataset:
+        return TensorDataset(torch.rand(n, 3, 32, 32, generator=gen), torch.arange(n) % num_classes)
+
+    return images(32), images(16)
+
+
 class Chapter:
     """One chapter's run: resolved profile and device, seeding, figure, metrics and claim output.
 
@@ -99,6 +111,9 @@ class Chapter:
         self.name = name
         distributed.init_from_env()  # under torchrun: one process per GPU, fit shares each batch
         self.profile = resolve_profile(profile)
+        # SPHEREML_GPU_TINY=1: the gpu profile's code paths at the smoke profile's sizes, with a tiny synthetic
+        # CIFAR, so that a CPU proves they execute (tests/test_notebooks.py); the ledger skips such runs
+        self.tiny = self.profile == "gpu" and os.environ.get("SPHEREML_GPU_TINY") == "1"
         self.device = resolve_device(device)
         self.seed = integer("seed", seed, at_least=0)
         seed_everything(seed)
@@ -108,7 +123,7 @@ class Chapter:
             "chapter": name, "profile": self.profile, "device": str(self.device),
             "device_name": torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu",
             "torch": torch.__version__, "params": dict(params or {}), "threads": torch.get_num_threads(),
-            "claims": [],
+            "claims": [], "tiny": self.tiny,
         }
         self.figures: list[str] = []
         self._trained_on = weakref.WeakKeyDictionary()  # model -> the data ch.fit trained it on
@@ -116,11 +131,22 @@ class Chapter:
         self.write()
 
     def pick(self, **by_profile):
-        """The value for the active profile, e.g. ``ch.pick(smoke=1, cpu=8, gpu=50)``."""
+        """The value for the active profile, e.g. ``ch.pick(smoke=1, cpu=8, gpu=50)`` (a tiny gpu run: smoke's)."""
         missing = [p for p in PROFILES if p not in by_profile]
         if missing:
             raise ValueError(f"pick() needs a value for every profile; missing {missing}")
-        return by_profile[self.profile]
+        return by_profile[self.scale]
+
+    @property
+    def scale(self) -> str:
+        """The profile whose sizes this run uses: the profile itself, ``"smoke"`` in a tiny gpu run.  Checks that
+        need a run long enough to decide (``if ch.scale != "smoke": assert ...``) ask this, not the profile."""
+        return "smoke" if self.tiny else self.profile
+
+    def gpu_size(self, full, tiny):
+        """A size in a section only the gpu profile runs (a CIFAR network's widths or epochs): ``full``, or
+        ``tiny`` in a tiny gpu run (``SPHEREML_GPU_TINY=1``), which only proves the code executes."""
+        return tiny if self.tiny else full
 
     # ---------------------------------------------------------------- training on the chapter's device
     def fit(self, model, train_data, **kwargs):
@@ -158,8 +184,11 @@ class Chapter:
         A local archive is used (see :func:`~sphereml.data.find_cifar`); without one a download is
         tried.  Where neither works (no internet, ``$SPHEREML_NO_DOWNLOAD``), the chapter prints where
         to put the archive and records the skip instead of failing: its other results stand.  A corrupt
-        archive still raises :class:`~sphereml.data.DataError`.
+        archive still raises :class:`~sphereml.data.DataError`.  A tiny gpu run gets 32 random training and
+        16 test images of CIFAR's shape instead.
         """
+        if self.tiny:
+            return _tiny_cifar(num_classes, self.seed)
         if data.find_cifar(num_classes) is None:
             try:
                 data.load_cifar(num_classes, "train", download=True)

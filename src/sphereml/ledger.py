@@ -42,8 +42,8 @@ def collect(metrics_paths, snapshot: dict | None = None, profiles: tuple[str, ..
 
     Args:
         metrics_paths: ``metrics.json`` files of chapter runs; runs of a profile not in ``profiles`` (a
-            ``smoke`` run) and runs without claims are skipped, and a run replaces the earlier entry of its
-            chapter and profile.
+            ``smoke`` run), tiny gpu runs (``SPHEREML_GPU_TINY``) and runs without claims are skipped, and a
+            run replaces the earlier entry of its chapter and profile.
         snapshot (dict, optional): the snapshot to update.
         profiles (tuple[str]): the profiles the ledger reports.
 
@@ -54,8 +54,8 @@ def collect(metrics_paths, snapshot: dict | None = None, profiles: tuple[str, ..
     for path in metrics_paths:
         metrics = json.loads(Path(path).read_text())
         profile = metrics.get("profile")
-        if profile not in profiles or profile not in PROFILES or not metrics.get("claims"):
-            continue  # a smoke run, or a chapter that makes no claim (the conclusion)
+        if profile not in profiles or profile not in PROFILES or metrics.get("tiny") or not metrics.get("claims"):
+            continue  # a smoke or tiny run, or a chapter that makes no claim (the conclusion)
         entry = {field: metrics.get(field) for field in RUN_FIELDS}
         entry["claims"] = [_check_record(record, path) for record in metrics.get("claims", [])]
         snapshot["chapters"].setdefault(metrics["chapter"], {})[profile] = entry

@@ -333,9 +333,10 @@ class ResNet(nn.Module):
         return self.classifier(self.features(x))
 
 
-def resnet18(in_channels: int = 3, num_classes: int = 10, **kwargs) -> ResNet:
-    """ResNet-18 in its CIFAR form (11.2M parameters for 10 classes)."""
-    return ResNet((2, 2, 2, 2), (64, 128, 256, 512), in_channels, num_classes, **kwargs)
+def resnet18(in_channels: int = 3, num_classes: int = 10, widths: tuple[int, ...] = (64, 128, 256, 512),
+             **kwargs) -> ResNet:
+    """ResNet-18 in its CIFAR form (11.2M parameters for 10 classes at the default widths)."""
+    return ResNet((2, 2, 2, 2), widths, in_channels, num_classes, **kwargs)
 
 
 def _is_int(value) -> bool:
