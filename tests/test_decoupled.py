@@ -446,3 +446,27 @@ def test_layer_compiles_without_graph_breaks(options):
     torch.testing.assert_close(grad, grad_ref)
     if layer.radius_norm:
         torch.testing.assert_close(layer.norm_mean, eager.norm_mean)
+
+
+def test_bias_corrected_average_is_the_corrected_moving_average_of_the_batch_means():
+    """recalibration.BiasCorrectedAverage: after T batches, sum_t (1 - d) d^(T-t) b_t / (1 - d^T) (TF's EMA)."""
+    from sphereml.recalibration import BiasCorrectedAverage
+    from sphereml.train import StepState
+
+    torch.manual_seed(3)
+    norm = torch.nn.BatchNorm1d(2).double().train()
+    norm.running_mean.fill_(5.0)  # reset by the callback: no bias towards an old value
+    decay = 0.9
+    average = BiasCorrectedAverage(norm, decay=decay)
+    means = []
+    for step in range(1, 5):
+        batch = torch.randn(8, 2, dtype=F64) + step
+        means.append(batch.mean(0))
+        with torch.no_grad():
+            norm(batch)
+        average(StepState(step=step, epoch=0, loss_tensor=torch.zeros(()), model=norm, optimizer=None))
+        weights = [(1 - decay) * decay ** (len(means) - 1 - i) for i in range(len(means))]
+        expected = sum(w * m for w, m in zip(weights, means)) / (1 - decay ** len(means))
+        torch.testing.assert_close(norm.running_mean, expected)
+    with pytest.raises(ValueError, match="decay must be"):
+        BiasCorrectedAverage(norm, decay=1.0)

@@ -154,3 +154,21 @@ def test_an_arm_at_chance_makes_a_claim_not_testable():
     assert [verdict_name(v) for v in (True, False, None, NOT_TESTABLE)] == list(VERDICTS.values())
     with pytest.raises(ValueError, match="a verdict must be"):
         verdict_name("maybe")
+
+
+def test_bootstrap_noise_is_twice_the_spread_of_the_resampled_statistic():
+    import statistics as stdlib
+
+    import torch
+
+    from sphereml.verdicts import bootstrap_noise
+
+    values = torch.arange(10, dtype=torch.float64)
+    noise = bootstrap_noise(lambda idx: values[idx].mean(), 10, resamples=2000, seed=1)
+    standard_error = stdlib.pstdev(values.tolist()) / 10 ** 0.5  # of a mean of 10 draws with replacement
+    assert noise == pytest.approx(2 * standard_error, rel=0.1)
+    assert bootstrap_noise(lambda idx: values[idx].mean(), 10, seed=1) == bootstrap_noise(
+        lambda idx: values[idx].mean(), 10, seed=1)  # seeded: the same draws
+    assert bootstrap_noise(lambda idx: 3.0, 10) == 0.0
+    with pytest.raises(ValueError, match="resamples must be an integer >= 2"):
+        bootstrap_noise(lambda idx: 0.0, 10, resamples=1)

@@ -4,7 +4,8 @@ keep them (BatchNorm; a decoupled layer's running E{||x||}, :mod:`~sphereml.deco
 Running averages are collected while the weights move, so they lag the network; :func:`recalibrate`
 re-estimates them with the weights frozen, :func:`recalibrated` does so for the length of a ``with`` block
 (a curve point in the middle of training) and puts the run's own statistics back.  :func:`stats_fresh`
-says whether a model was recalibrated since its last :func:`~sphereml.train.fit`.
+says whether a model was recalibrated since its last :func:`~sphereml.train.fit`; :class:`BiasCorrectedAverage`
+keeps the statistics during training as the released DCNets code does, for comparison.
 """
 
 from __future__ import annotations
@@ -16,10 +17,10 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from ._checks import integer
+from ._checks import integer, real_number
 from .train import batches, on_device, resolve_device
 
-__all__ = ["recalibrate", "recalibrated", "has_running_stats", "stats_fresh"]
+__all__ = ["recalibrate", "recalibrated", "has_running_stats", "stats_fresh", "BiasCorrectedAverage"]
 
 
 @torch.no_grad()
@@ -92,3 +93,28 @@ def _with_running_stats(model: nn.Module) -> list[nn.Module]:
 def stats_fresh(model: nn.Module) -> bool:
     """Whether ``model``'s running statistics were recalibrated (:func:`recalibrate`) after its last :func:`fit`."""
     return bool(getattr(model, "_sphereml_stats_fresh", False))
+
+
+class BiasCorrectedAverage:
+    """A :func:`~sphereml.train.fit` callback that keeps every running statistic as a bias-corrected exponential
+    moving average of the batch statistics (TensorFlow's ``ExponentialMovingAverage``, which the released
+    DCNets code evaluates with) instead of PyTorch's fixed-momentum average.
+
+    After step t the next batch gets the weight (1 - decay) / (1 - decay^(t+1)), so after T batches a running
+    statistic is sum_t (1 - decay) decay^(T-t) b_t / (1 - decay^T): no bias towards the initial value.  The
+    weights training uses are untouched (training normalises by batch statistics).  The running statistics are
+    reset here; construct it just before :func:`~sphereml.train.fit`.
+    """
+
+    def __init__(self, model: nn.Module, decay: float = 0.999):
+        self.decay = real_number("decay", decay, above=0.0, below=1.0)
+        self.modules = _with_running_stats(model)
+        for m in self.modules:
+            m.reset_running_stats()
+            m.momentum = 1.0  # the first batch's statistics, where the corrected average starts
+
+    def __call__(self, state) -> None:
+        weight = (1 - self.decay) / (1 - self.decay ** (state.step + 1))
+        for m in self.modules:
+            m.momentum = weight
+

@@ -18,7 +18,8 @@ noise level; :meth:`SeedComparison.holds`, :meth:`SeedComparison.equivalent` and
 the verdicts of "a is larger than b", "a and b do not differ" and "a is not larger than b by more than a
 margin"; :func:`trains`, :func:`given` and :func:`every` handle
 untrained arms, conditional claims and claims made for several cases; :func:`within` decides exact claims
-(closed forms, identities) at a stated tolerance.  A verdict is ``True`` (holds),
+(closed forms, identities) at a stated tolerance; :func:`bootstrap_noise` gives the floor of a measure that
+has no binomial formula.  A verdict is ``True`` (holds),
 ``False`` (does not hold), ``None`` (not distinguishable) or :data:`NOT_TESTABLE`, the values
 :meth:`Chapter.claim <sphereml.chapter.Chapter.claim>` takes.
 
@@ -48,12 +49,17 @@ from __future__ import annotations
 
 import math
 import operator
+import statistics
 from dataclasses import dataclass
+from typing import Callable
 
+import torch
 from scipy import stats
 
+from ._checks import integer
+
 __all__ = ["VERDICTS", "NOT_TESTABLE", "verdict_name", "SeedComparison", "compare_over_seeds", "SeedTable", "trains",
-           "given", "every", "within"]
+           "given", "every", "within", "bootstrap_noise"]
 
 NOT_TESTABLE = "not testable"  # the fourth verdict (True, False and None are the other three)
 VERDICTS = {True: "holds", False: "does not hold", None: "not distinguishable", NOT_TESTABLE: NOT_TESTABLE}
@@ -251,6 +257,18 @@ def given(*conditions, verdict):
             raise ValueError(f"conditions must be verdicts or booleans, got {condition!r}")
     verdict_name(verdict)
     return verdict if all(c is True for c in conditions) else NOT_TESTABLE
+
+
+def bootstrap_noise(statistic: Callable[[torch.Tensor], float], n: int, resamples: int = 100, seed: int = 0) -> float:
+    """A noise level for a measure with no binomial formula (a Fisher score, a mean distance): twice the
+    standard deviation of ``statistic(idx)`` over ``resamples`` bootstrap draws ``idx`` of ``n`` item indices
+    (with replacement, from a generator seeded by ``seed``).  For a paired comparison, let ``statistic``
+    compute the *difference* of the two variants on the same drawn items, as the paired rule above does."""
+    integer("n", n, at_least=1)
+    integer("resamples", resamples, at_least=2)
+    generator = torch.Generator().manual_seed(seed)
+    values = [float(statistic(torch.randint(0, n, (n,), generator=generator))) for _ in range(resamples)]
+    return 2 * statistics.pstdev(values)
 
 
 def within(value, expected, tolerance: float) -> bool:
