@@ -2,7 +2,8 @@
 
 Each measurement runs in a fresh subprocess (``python -m benchmarks.bench_energy --worker SPEC``),
 so that its peak memory belongs to that backend alone (:class:`sphereml.timing.PeakMemory`: the
-resident set or the allocated device memory above what the process held before), and under a timeout, so one slow case cannot eat the run.
+resident set or the allocated device memory above what the process held before), and under a timeout,
+so one slow case cannot eat the run.
 Times are medians of 3 runs, except the slow single runs (dense on the CPU, N = 65,536,
 N = 2^20).
 

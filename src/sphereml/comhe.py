@@ -48,8 +48,8 @@ from .regularizers import MHE
 
 # The functional core lives in sphereml.comhe_functional; its public functions are listed here too, where the
 # regulariser's users look for them.
-__all__ = ["VARIANTS", "CoMHEOptions", "CoMHE", "projected_energies", "angle_distortion", "angle_distortion_grad", "group_energy",
-           "bilateral_energy"]
+__all__ = ["VARIANTS", "CoMHEOptions", "CoMHE", "projected_energies", "angle_distortion", "angle_distortion_grad",
+           "group_energy", "bilateral_energy"]
 
 VARIANTS = ("random", "random_max", "angle", "adversarial", "group", "bilateral")
 

@@ -140,7 +140,7 @@ def _magnitude_over_norm(norm: Tensor, magnitude: str, alpha: float, beta: float
     if magnitude == "linear":
         return torch.full_like(norm, alpha)
     if magnitude == "ball":
-        return alpha / torch.maximum(norm, torch.as_tensor(radius, dtype=norm.dtype, device=norm.device))
+        return alpha / norm.clamp_min(radius)  # a float radius needs no copy to the device
     return magnitude_function(norm, magnitude, alpha, beta, radius) / norm
 
 

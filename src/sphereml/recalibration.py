@@ -117,4 +117,3 @@ class BiasCorrectedAverage:
         weight = (1 - self.decay) / (1 - self.decay ** (state.step + 1))
         for m in self.modules:
             m.momentum = weight
-
