@@ -2,7 +2,8 @@
 
 Each measurement runs in a fresh subprocess (``python -m benchmarks.bench_energy --worker SPEC``),
 so that its peak memory belongs to that backend alone (:class:`sphereml.timing.PeakMemory`: the
-resident set or the allocated device memory above what the process held before), and under a timeout,
+resident set or the allocated device memory above what the process held before; CUDA files written before
+2026-11-27's afternoon count the inputs too), and under a timeout,
 so one slow case cannot eat the run.
 Times are medians of 3 runs, except the slow single runs (dense on the CPU, N = 65,536,
 N = 2^20).
@@ -27,7 +28,8 @@ N = 2^20).
 prints registers and spills from ``ptxas -v``.
 ``SPHEREML_BENCH_SMOKE=1`` (or ``--smoke``) runs every case at tiny sizes and saves nothing;
 ``--plan cuda`` runs the CUDA plan on CPU tensors (with ``TRITON_INTERPRET=1``), which is how
-``tests/test_energy.py::test_benchmark_smoke`` checks this file without a GPU.  ``--only
+``tests/test_benchmarks.py::test_the_energy_benchmark_runs_both_plans_in_smoke_mode`` checks this file
+without a GPU.  ``--only
 crossover,emulated`` re-measures those parts and merges them into the saved JSON.
 """
 

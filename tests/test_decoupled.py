@@ -425,6 +425,14 @@ def test_recalibrated_restores_the_running_statistics_after_the_block():
     for name, b in net.named_buffers():
         torch.testing.assert_close(b, before[name], rtol=0, atol=0)
     assert not stats_fresh(net) and net[1].momentum == 0.1
+    wrong = torch.utils.data.TensorDataset(torch.rand(4, 2, 6, 6, dtype=F64), torch.zeros(4, dtype=torch.long))
+    net.eval()
+    with pytest.raises(ValueError, match="input must be"):  # two channels for a one-channel layer: the real error
+        with recalibrated(net, wrong, device="cpu"):
+            pass
+    assert not net.training and net[1].momentum == 0.1 and not stats_fresh(net)
+    for name, b in net.named_buffers():
+        torch.testing.assert_close(b, before[name], rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("options", [dict(magnitude="tanh", radius_norm=True, learnable_rho=True),

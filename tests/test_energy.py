@@ -311,10 +311,13 @@ def test_layer_energy_of_layers_above_the_batched_limit_agrees(monkeypatch, redu
     assert layer_energy(layers, 1.0, True, reduction) == pytest.approx(batched, rel=1e-6)  # float32 per layer
 
 
-def test_layer_energy_is_a_measurement_without_a_graph():
+def test_layer_energy_measures_the_angular_metric_without_touching_gradients():
     layers = _layers()
-    value = layer_energy(layers, angular := 2.0, metric="angular")
-    assert isinstance(value, float) and angular == 2.0 and value > 0
+    value = layer_energy(layers, 2.0, metric="angular")
+    expected = sum(float(hyperspherical_energy(m.weight.detach(), 2.0, metric="angular", backend="dense"))
+                   for m in layers)
+    assert isinstance(value, float) and value == pytest.approx(expected, rel=1e-6)
+    assert all(m.weight.grad is None for m in layers)
 
 
 def test_layer_energy_bad_arguments():
@@ -324,3 +327,5 @@ def test_layer_energy_bad_arguments():
         layer_energy(_layers(), reduction="mean")
     with pytest.raises(ValueError, match="at least 2 neurons"):
         layer_energy([torch.randn(1, 4)])
+    with pytest.raises(ValueError, match="half_space must be True or False"):
+        layer_energy(_layers(), half_space=1)

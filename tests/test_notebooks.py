@@ -144,7 +144,7 @@ def test_chapter_runs_in_smoke_profile(name, smoke_run):
 @pytest.mark.notebook
 @pytest.mark.parametrize("name", CHAPTERS)
 def test_chapter_gpu_paths_run_tiny(name, offline_smoke, monkeypatch, tmp_path):
-    """The gpu profile's own code (CIFAR sections, its seeds and branches) at the smoke profile's sizes, on this
+    """The gpu profile's own code (CIFAR sections, its branches) at the smoke profile's sizes and seeds, on this
     CPU (SPHEREML_GPU_TINY=1, :class:`sphereml.chapter.Chapter`): CI proves it executes before a GPU runs it."""
     monkeypatch.setenv("SPHEREML_PROFILE", "gpu")
     monkeypatch.setenv("SPHEREML_GPU_TINY", "1")

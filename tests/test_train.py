@@ -212,3 +212,14 @@ def test_fit_moves_the_data_once_and_evaluate_reads_the_device_once(toy, monkeyp
     assert calls == [len(train_set)]  # once per fit, not per epoch or batch
     reads = launches.count_ops(lambda: evaluate(model, train_set, batch_size=8, device="cpu"))
     assert len(train_set) > 3 * 8 and reads.by_op["aten::_local_scalar_dense"] == 2  # loss and accuracy, once
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_device_keeps_one_copy_per_gpu():
+    from torch.utils.data import TensorDataset
+
+    from sphereml.train import on_device
+
+    data = TensorDataset(torch.randn(10, 3), torch.arange(10))
+    moved = on_device(data, "cuda")
+    assert on_device(data, "cuda:0") is moved and on_device(moved, "cuda") is moved

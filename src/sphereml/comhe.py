@@ -401,6 +401,8 @@ class CoMHE(MHE):
     def original_energy(self, s: float | None = None, half_space: bool | None = None) -> float:
         """The sum over hidden layers of the unprojected pair-mean energy (default: this regulariser's s and
         space; the thesis plots s = 1 half-space in Figs. 6.1 / E.2 and E_2 of eq. 6.1 in Fig. 6.2)."""
+        if not self.hidden:
+            return 0.0
         return layer_energy(self.hidden, self.s if s is None else s,
                             self.half_space if half_space is None else half_space)
 

@@ -45,13 +45,15 @@ def recalibrate(model: nn.Module, data: Dataset, *, batch_size: int = 256, max_b
         m.reset_running_stats()
         m.momentum = None
     model.train()
-    for i, batch in enumerate(batches(on_device(data, dev), batch_size, False, None)):
-        if max_batches is not None and i >= max_batches:
-            break
-        model(batch[0].to(dev, non_blocking=True))
-    for m, momentum in zip(modules, momenta):
-        m.momentum = momentum
-    model.train(was_training)
+    try:
+        for i, batch in enumerate(batches(on_device(data, dev), batch_size, False, None)):
+            if max_batches is not None and i >= max_batches:
+                break
+            model(batch[0].to(dev, non_blocking=True))
+    finally:  # momentum and mode back even when a batch fails
+        for m, momentum in zip(modules, momenta):
+            m.momentum = momentum
+        model.train(was_training)
     model._sphereml_stats_fresh = True  # until the next fit (see stats_fresh)
     return len(modules)
 
@@ -76,7 +78,7 @@ def recalibrated(model: nn.Module, data: Dataset, **kwargs) -> Iterator[nn.Modul
                 for name, value in buffers.items():
                     getattr(m, name).copy_(value)
         if fresh is None:
-            del model._sphereml_stats_fresh
+            model.__dict__.pop("_sphereml_stats_fresh", None)
         else:
             model._sphereml_stats_fresh = fresh
 

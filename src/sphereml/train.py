@@ -154,6 +154,8 @@ def on_device(data: Dataset, device: str | torch.device) -> Dataset:
     copy nothing from the host per batch.  Other datasets, and tensors already there, are returned as they are.
     (A TensorDataset changed in place after its first copy keeps the old copy.)"""
     dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:  # "cuda" and "cuda:0" are one device: one copy
+        dev = torch.device("cuda", torch.cuda.current_device())
     if not isinstance(data, TensorDataset) or all(t.device == dev for t in data.tensors):
         return data
     copies = _ON_DEVICE.setdefault(data, {})
@@ -170,10 +172,9 @@ def batches(data: Dataset, batch_size: int, shuffle: bool = False,
     if isinstance(data, TensorDataset):  # fast path: index the tensors directly
         n = len(data)
         order = torch.randperm(n, generator=generator) if shuffle else torch.arange(n)
-        order = order.to(data.tensors[0].device)
+        orders = {t.device: order.to(t.device) for t in data.tensors}  # one copy per device the tensors are on
         for start in range(0, n, batch_size):
-            idx = order[start:start + batch_size]
-            yield tuple(t[idx] for t in data.tensors)
+            yield tuple(t[orders[t.device][start:start + batch_size]] for t in data.tensors)
     else:
         yield from DataLoader(data, batch_size=batch_size, shuffle=shuffle, generator=generator)
 

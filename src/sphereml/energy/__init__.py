@@ -61,7 +61,8 @@ TILED_ABOVE = 64
 # The same switch for CUDA tensors: the float64 "crossover" of benchmarks/results/energy_fwd_bwd-cuda.json.
 TILED_ABOVE_CUDA = 1024
 # Float32 / half CUDA tensors at TF32 precision: triton above this many points, from the float32 dense vs
-# triton "crossover" of the same file (measured at "highest", the kernel's slowest setting).
+# triton "crossover" of the same file (measured at "highest", the kernel's slowest setting, where small sizes
+# are noisy: triton wins some sizes below it and every size from 8192 on).
 TRITON_ABOVE = 2048
 _warned_no_triton = False
 
@@ -234,13 +235,15 @@ def layer_energy(layers: Sequence[Tensor | nn.Module], s: float = 2.0, half_spac
         metric (str): ``"euclidean"`` or ``"angular"``. Default: ``"euclidean"``.
 
     Returns:
-        float.  Layers of at most ``BATCHED_MAX`` neurons go through the batched engine in one evaluation
-        (Note [batched energy] in :mod:`~sphereml.energy.batched`), larger ones through
-        :func:`hyperspherical_energy` one by one.
+        float.  Layers of at most ``BATCHED_MAX`` neurons go through the batched engine in one evaluation,
+        in float64 whatever their dtype (Note [batched energy] in :mod:`~sphereml.energy.batched`); larger
+        ones through :func:`hyperspherical_energy` one by one, in their own dtype (``auto`` backend).
     """
     s = _check_s(s)
     one_of("reduction", reduction, REDUCTIONS)
     one_of("metric", metric, METRICS)
+    if not isinstance(half_space, bool):
+        raise ValueError(f"half_space must be True or False, got {half_space!r}")
     weights = [getattr(layer, "weight", layer) for layer in layers]
     if not weights:
         raise ValueError("layers must hold at least one layer, got none")
