@@ -13,7 +13,7 @@ STAMP := $(VENV)/.sphereml-installed
 JB_FLAGS := -W --keep-going
 PYTEST_ARGS ?=
 
-.PHONY: setup torch-index test test-fast book book-smoke bench sync clean
+.PHONY: setup torch-index test test-fast book book-smoke bench sync gpu-scripts clean
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml
@@ -62,6 +62,12 @@ bench: $(STAMP)
 # Regenerate the paired .ipynb from the MyST sources after editing notebooks/*.md.
 sync: $(STAMP)
 	$(BIN)/jupytext --sync notebooks/*.md
+
+# The chapters as plain scripts for a GPU box without jupytext or papermill (benchmarks/gpu_check.sh chapters;
+# the folder is ignored by git: carry it to the machine).
+gpu-scripts: $(STAMP)
+	mkdir -p benchmarks/chapters
+	for f in notebooks/*.md; do $(BIN)/jupytext --quiet --to py -o benchmarks/chapters/$$(basename $$f .md).py $$f; done
 
 clean:
 	rm -rf _build

@@ -9,7 +9,9 @@
 #   bench     every benchmark on CUDA but the energy's scaling study (or the listed ones) (BENCH_LIMIT, 240 s)
 #   scaling   the energy's scaling study up to N = 2^20                                   (SCALING_LIMIT, 500 s)
 #   chapter:NAME / chapters   a chapter's gpu profile (all nine), run as a script made by jupytext beforehand
-#             (benchmarks/chapters/NAME.py) with metrics.json under _build/runs/NAME   (CHAPTER_LIMIT, 600 s)
+#             (`make gpu-scripts` writes benchmarks/chapters/NAME.py, ignored by git: carry it)
+#             with metrics.json under _build/runs/NAME; SPHEREML_GPU_TINY=1 in the environment
+#             runs the same code at smoke sizes first, to check it   (CHAPTER_LIMIT, 600 s)
 # Logs go to $OUT (default gpu_out/), one line per part in $OUT/summary.txt; benchmark JSON goes to
 # benchmarks/results/*-cuda.json and is packed with the logs into $OUT/gpu_check.tar.gz.
 set -u
