@@ -381,15 +381,21 @@ def test_bad_inputs_and_aid_arguments():
         decoupled_factory(magnitude="cube")
 
 
+def _statistics_net(seed):
+    """A decoupled layer with a running E{||x||} and a BatchNorm after it, and 40 one-channel 6x6 images."""
+    torch.manual_seed(seed)
+    net = torch.nn.Sequential(DecoupledConv2d(1, 3, 3, padding=1, magnitude="tanh", radius_norm=True),
+                              torch.nn.BatchNorm2d(3)).double()
+    x = torch.rand(40, 1, 6, 6, dtype=F64)
+    return net, x, torch.utils.data.TensorDataset(x, torch.zeros(40, dtype=torch.long))
+
+
 def test_recalibrate_reestimates_batchnorm_and_patch_norm_means():
     """recalibration.recalibrate: running statistics equal the cumulative statistics of the data, modes restored."""
     from sphereml.recalibration import recalibrate
 
-    torch.manual_seed(27)
-    net = torch.nn.Sequential(DecoupledConv2d(1, 3, 3, padding=1, magnitude="tanh", radius_norm=True),
-                              torch.nn.BatchNorm2d(3)).double().eval()
-    x = torch.rand(40, 1, 6, 6, dtype=F64)
-    data = torch.utils.data.TensorDataset(x, torch.zeros(40, dtype=torch.long))
+    net, x, data = _statistics_net(27)
+    net.eval()
     assert recalibrate(net, data, batch_size=10, device="cpu") == 2
     assert not net.training and net[0].momentum == 0.1 and net[1].momentum == 0.1
     norms = decoupled_conv2d(x, net[0].weight, padding=1, magnitude="linear") / \
@@ -407,11 +413,8 @@ def test_recalibrated_restores_the_running_statistics_after_the_block():
     """recalibration.recalibrated: inside, the statistics of recalibrate; after, the ones the model had, and its flags."""
     from sphereml.recalibration import recalibrate, recalibrated, stats_fresh
 
-    torch.manual_seed(28)
-    net = torch.nn.Sequential(DecoupledConv2d(1, 3, 3, padding=1, magnitude="tanh", radius_norm=True),
-                              torch.nn.BatchNorm2d(3)).double().train()
-    x = torch.rand(40, 1, 6, 6, dtype=F64)
-    data = torch.utils.data.TensorDataset(x, torch.zeros(40, dtype=torch.long))
+    net, x, data = _statistics_net(28)
+    net.train()
     with torch.no_grad():
         net(x[:10] + 1.0)  # running statistics of a different input: what training left
     before = {name: b.clone() for name, b in net.named_buffers()}
