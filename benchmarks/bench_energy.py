@@ -491,52 +491,25 @@ def run(device: torch.device, smoke: bool | None = None, plan: str | None = None
 def compile_check(arch: int = 90) -> list[dict]:
     """Compile every autotuning configuration of the energy kernels for ``sm_<arch>`` without a GPU.
 
-    Reports ``ptxas -v`` registers and spill stores per (kernel, precision, configuration): the
-    check that chose the configurations in :mod:`sphereml.energy._triton_kernels`.  Needs
-    Triton's ``ASTSource`` / ``GPUTarget`` API (Triton 3.x) and must run without TRITON_INTERPRET.
+    Reports ``ptxas -v`` registers and spill stores per (kernel, precision, configuration)
+    (:func:`benchmarks.sm90.compile_kernel`): the check that chose the configurations in
+    :mod:`sphereml.energy._triton_kernels`.  Must run without TRITON_INTERPRET.
     """
-    import re
-    import tempfile
-
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     from sphereml.energy import _triton_kernels as kernels
 
-    target = GPUTarget("cuda", arch, 32)
-    bin_dir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
-    ptxas = next((p for p in (bin_dir / "ptxas-blackwell", bin_dir / "ptxas") if p.exists()), None)
+    from .sm90 import compile_kernel
+
     types = {"Q": "*fp32", "SQ": "*fp32", "OUT": "*fp32", "GRAD": "*fp32", "M": "i32", "D": "i32", "stride": "i32",
              "M_KEY": "i32", "s": "fp32", "eps": "fp32", "close_r2": "fp32"}
     rows = []
     for name, kernel in (("forward", kernels.forward_kernel), ("backward", kernels.backward_kernel)):
-        jit = kernel.fn
         for precision in ("ieee", "tf32x3", "tf32"):
             configs = kernel.configs if name == "forward" else kernels._backward_configs(
                 kernel.configs, {"D": 512}, PRECISION=precision)
             for cfg in configs:
                 constants = {"POWER": 2, "PRECISION": precision, **cfg.kwargs}
-                signature = {arg: "constexpr" if arg in constants else types[arg] for arg in jit.arg_names}
-                source = ASTSource(fn=jit, signature=signature,
-                                   constexprs={(jit.arg_names.index(k),): v for k, v in constants.items()})
-                row = {"kernel": name, "precision": precision, "config": _config_text(cfg)}
-                started = time.perf_counter()
-                compiled = triton.compile(source, target=target,
-                                          options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
-                row["compile_seconds"] = time.perf_counter() - started
-                row["shared_bytes"] = compiled.metadata.shared
-                if ptxas is not None:
-                    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
-                        f.write(compiled.asm["ptx"])
-                        f.flush()
-                        arch_flag = f"-arch=sm_{arch}a" if arch == 90 else f"-arch=sm_{arch}"
-                        log = subprocess.run([str(ptxas), arch_flag, "-v", f.name, "-o", os.devnull],
-                                             capture_output=True, text=True).stderr
-                    registers = re.findall(r"Used (\d+) registers", log)
-                    spills = re.findall(r"(\d+) bytes spill stores", log)
-                    row["registers"] = int(registers[0]) if registers else None
-                    row["spill_store_bytes"] = int(spills[0]) if spills else None
+                row = {"kernel": name, "precision": precision, "config": _config_text(cfg),
+                       **compile_kernel(kernel, types, constants, cfg.num_warps, cfg.num_stages, arch)}
                 rows.append(row)
                 print(f"compile sm_{arch} {name:8s} {precision:6s} {row['config']:40s} "
                       f"{row['compile_seconds']:5.1f} s, "

@@ -7,6 +7,10 @@ GPU) and, on CUDA, B=512, d=512, C=100,000 (goal at most 1.2x), there each head 
 On CUDA the kernels of ArcFace at the large size are listed from the PyTorch profiler (top 10 by GPU
 time) and saved beside the timings, to show where a head's time goes.  ``SPHEREML_BENCH_COMPILE=0`` skips
 the compiled candidates (their compilation takes most of the run's time).
+
+On CUDA the heads take the fused cross-entropy (:mod:`sphereml.margin_ce`, Triton); ArcFace and L-Softmax
+also run with ``backend="reference"`` (autograd over the B x C logits), the path the CPU keeps.
+:func:`compile_check` compiles the fused kernels for sm_90 on a machine without a GPU.
 """
 
 from __future__ import annotations
@@ -75,6 +79,10 @@ def run(device: torch.device) -> dict:
         for label, head in _heads(d, c).items():
             head.to(device)
             candidates[label] = lambda h=head: step(lambda: h.loss(x, y))
+            if device.type == "cuda" and label in ("ArcFace", "L-Softmax m=4"):
+                reference = _heads(d, c)[label].to(device)
+                reference.backend = "reference"
+                candidates[f"{label} (reference)"] = lambda h=reference: step(lambda: h.loss(x, y))
             if compile_heads and ((b, d, c) == SIZES[1] or label == "ArcFace"):
                 compiled = torch.compile(head.loss)
                 candidates[f"{label} (compiled)"] = lambda f=compiled: step(lambda: f(x, y))
@@ -90,3 +98,27 @@ def run(device: torch.device) -> dict:
         save({"benchmark": "margin_heads_profile", "head": "ArcFace", "batch": b, "in_features": d,
               "num_classes": c, "top_kernels": rows}, "margin_heads_profile", device)
     return results
+
+
+def compile_check(arch: int = 90) -> list[dict]:
+    """Compile the fused cross-entropy kernels (float32 and bf16 products, with and without the weight
+    norms) for ``sm_<arch>`` on the CPU and print registers and spills.  Must run without TRITON_INTERPRET."""
+    from sphereml import _margin_kernels as kernels
+
+    from .sm90 import compile_kernel
+
+    types = {"RAW": "*fp32", "INV": "*fp32", "LABELS": "*i64", "MAX_OUT": "*fp32", "SUM_OUT": "*fp32",
+             "LSE": "*fp32", "SCALE": "*fp32", "GRAD_OUT": "*fp32", "COLSUM_OUT": "*fp32", "B": "i32", "C": "i32",
+             "stride": "i32", "chunk": "i32", "n_chunks": "i32"}
+    rows = []
+    for name, kernel, (bm, bn, warps) in (("lse", kernels.lse_kernel, kernels.LSE_BLOCKS),
+                                          ("grad", kernels.grad_kernel, kernels.GRAD_BLOCKS)):
+        for dtype in ("fp32", "bf16"):
+            for has_inv in (True, False):
+                row = {"kernel": name, "dtype": dtype, "has_inv": has_inv, **compile_kernel(
+                    kernel, {**types, "RAW": f"*{dtype}", "GRAD_OUT": f"*{dtype}"},
+                    {"HAS_INV": has_inv, "BM": bm, "BN": bn}, warps, 2, arch)}
+                rows.append(row)
+                print(f"compile sm_{arch} {name:4s} {dtype} has_inv={has_inv!s:5s} registers {row['registers']}, "
+                      f"spill stores {row['spill_store_bytes']} B", flush=True)
+    return rows

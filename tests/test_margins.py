@@ -281,7 +281,7 @@ def test_bad_inputs():
 
 
 def test_weight_normalized_linear_backward():
-    from sphereml.margins import _WeightNormalizedLinear
+    from sphereml.margin_ce import WeightNormalizedLinear as _WeightNormalizedLinear
 
     x, _ = _batch(5)
     w = torch.randn(C, D, dtype=torch.float64)

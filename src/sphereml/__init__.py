@@ -5,6 +5,8 @@ One concept per module:
 * :mod:`~sphereml.geometry` — normalisation, cosines and safe angles, sphere sampling, cos(m theta), psi_m.
 * :mod:`~sphereml.angular` — angular activations g(theta), stable arccos, their fused autograd nodes.
 * :mod:`~sphereml.margins` — margin heads: normalised, L-, A-, GA-, W-Softmax, CosFace, ArcFace.
+* :mod:`~sphereml.margin_ce` — the heads' B x C part: class logits and the cross-entropy with a margin target,
+  fused into two passes (Triton on CUDA).
 * :mod:`~sphereml.schedules` — the lambda schedule that phases a multiplicative margin in.
 * :mod:`~sphereml.patches` — every receptive field's norm and its cosine to every kernel, by convolution.
 * :mod:`~sphereml.sphereconv` — SphereConv2d, SphereLinear, SphereNorm and the unfold reference.
@@ -47,7 +49,7 @@ that ``import sphereml`` in a project of one's own brings no plotting, no chapte
 import importlib
 
 from . import (angular, attacks, comhe, comhe_functional, convsim, data, decoupled, decoupled_training, distributed,
-               energy, geometry, launches, margins, metrics, models, opt, orthogonalizers, patches, recalibration,
+               energy, geometry, launches, margin_ce, margins, metrics, models, opt, orthogonalizers, patches, recalibration,
                regularizers, schedules, scs, sphereconv, timing, train)
 from .geometry import angle_matrix, cosine_matrix, normalize, safe_angle, sample_sphere
 from .train import evaluate, fit, resolve_device, seed_everything
@@ -58,7 +60,7 @@ BOOK_MODULES = ("book", "chapter", "conclusion", "errata", "ledger", "report", "
 
 __all__ = [
     "angular", "attacks", "comhe", "comhe_functional", "convsim", "data", "decoupled", "decoupled_training",
-    "distributed", "energy", "geometry", "launches", "margins", "metrics", "models", "opt", "orthogonalizers",
+    "distributed", "energy", "geometry", "launches", "margin_ce", "margins", "metrics", "models", "opt", "orthogonalizers",
     "patches", "recalibration", "regularizers", "schedules", "scs", "sphereconv", "timing", "train",
     "normalize", "cosine_matrix", "safe_angle", "angle_matrix", "sample_sphere",
     "fit", "evaluate", "resolve_device", "seed_everything", "__version__",

@@ -25,6 +25,10 @@ head                       scale                   psi(theta_y)       source
 (``GASoftmaxLoss`` replaces cos by the SphereConv angular function g of Ch. 3 in every
 logit, so its logits are a scale times g(theta_j) rather than times cos(theta_j).)
 
+The B x C part of :meth:`loss` (the logits and the cross-entropy) is
+:func:`~sphereml.margin_ce.margin_cross_entropy`: on CUDA two fused Triton passes, on the CPU autograd
+over readable steps (``head.backend`` chooses; the head computes only the B target logits).
+
 Note [margin without arccos]
     The multiplicative psi needs the branch index k = floor(m theta / pi).  k is
     piecewise constant, so it is computed from the cosine under ``no_grad`` and the
@@ -44,6 +48,8 @@ from torch import Tensor, nn
 from ._checks import integer, labels as check_labels, real_number
 from .angular import angular_activation, angular_function, check_angular, stable_arccos
 from .geometry import arcface_psi, integer_margin, multiplicative_psi, normalize, psi, safe_norm
+from .margin_ce import BACKENDS, WeightNormalizedLinear, margin_cross_entropy
+from .margin_ce import resolve_backend as margin_backend
 from .schedules import LambdaSchedule
 
 __all__ = [
@@ -62,36 +68,6 @@ def _detached_psi(cos: Tensor, m: float) -> Tensor:
     return cos + (target - cos).detach()
 
 
-class _WeightNormalizedLinear(torch.autograd.Function):
-    """x W_hat^T with W_hat_j = W_j / max(||W_j||, eps), with a hand-written backward.
-
-    Forward scales the columns of x W^T (B x C values) instead of normalising the C x d
-    weight.  Backward, with g'_bj = g_bj / ||W_j||:  dx = g' W and
-    dW_j = (g'^T x)_j - W_j (sum_b g_bj out_bj) / ||W_j||^2, one matmul each plus one fused
-    pass over W (autograd through the norm takes four passes; 1.15x instead of 1.5x of
-    ``nn.Linear`` at B = 256, d = 512, C = 10,000 on our CPU).
-    """
-
-    @staticmethod
-    def forward(ctx, x: Tensor, weight: Tensor, eps: float) -> Tensor:
-        norm = safe_norm(weight, dim=1)
-        inv = norm.clamp_min(eps).reciprocal()  # (C,)
-        out = (x @ weight.T) * inv  # (B, C)
-        ctx.save_for_backward(x, weight, inv, out, norm >= eps)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        x, weight, inv, out, active = ctx.saved_tensors
-        g = grad * inv  # (B, C)
-        grad_x = g @ weight if ctx.needs_input_grad[0] else None
-        grad_w = None
-        if ctx.needs_input_grad[1]:
-            coeff = (grad * out).sum(0) * inv * inv * active  # (C,); zero where the norm was floored
-            grad_w = (g.T @ x).addcmul_(weight, coeff[:, None], value=-1.0)
-        return grad_x, grad_w, None
-
-
 def _check_scale(s: float | None, allow_none: bool) -> float | None:
     if s is None and allow_none:
         return None
@@ -99,10 +75,18 @@ def _check_scale(s: float | None, allow_none: bool) -> float | None:
 
 
 class _MarginHead(nn.Module):
-    """Shared parts: the weight, input checks, the target-logit swap and the loss."""
+    """Shared parts: the weight, input checks, the target-logit swap and the loss.
+
+    ``backend`` chooses how the B x C part of :meth:`loss` runs (:func:`~sphereml.margin_ce.margin_cross_entropy`):
+    ``"auto"`` (default: fused kernels on CUDA), ``"reference"`` or ``"fused"``.  Heads whose logits are
+    not a product x W^T scaled per column (GA-Softmax) always take the reference path.
+    """
+
+    weight_normalized: bool | None = None  # logits (x . W_j) / ||W_j|| (True), x . W_j (False), other (None)
 
     def __init__(self, in_features: int, num_classes: int):
         super().__init__()
+        self.backend = "auto"
         self.schedule: LambdaSchedule | None = None
         for name, value in {"in_features": in_features, "num_classes": num_classes}.items():
             integer(name, value, at_least=1)
@@ -156,17 +140,47 @@ class _MarginHead(nn.Module):
         """cos(theta_y), Tensor[B, 1]: here the target logit over its scale (logits are scale * cos)."""
         return (logit_y / scale_y.clamp_min(1e-12)).clamp(-1.0, 1.0)
 
-    def loss_and_logits(self, features: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
-        """(:meth:`loss`, the margin-free logits detached) from one logits computation."""
-        logits = self.logits(features)
-        value = F.cross_entropy(self._with_margin(logits, features, labels), labels)
+    def __setattr__(self, name, value):
+        if name == "backend" and value not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {value!r}")
+        super().__setattr__(name, value)
+
+    def product_input(self, features: Tensor) -> Tensor:
+        """The features as they enter the product x W^T of the logits (scaled or normalised by the head)."""
+        return features
+
+    def _fused_loss(self, features: Tensor, labels: Tensor, want_logits: bool):
+        """The loss with the target logit from the label rows of W (O(B d)), the rest by ``margin_cross_entropy``."""
+        self._check_features(features)
+        self._check_labels(features, labels)
+        x, w_y = self.product_input(features), self.weight[labels]
+        logit_y = (x * w_y).sum(1, keepdim=True)
+        if self.weight_normalized:
+            logit_y = logit_y / safe_norm(w_y, dim=1, keepdim=True).clamp_min(1e-12)
+        scale_y = self._scale(features, labels)
+        target = self._target(self._target_cosine(features, labels, logit_y, scale_y), logit_y, scale_y)
+        result = margin_cross_entropy(x, self.weight, labels, target[:, 0], self.weight_normalized,
+                                      backend="fused", return_logits=want_logits)
+        return result if want_logits else (result, None)
+
+    def _loss(self, features: Tensor, labels: Tensor, want_logits: bool):
+        fused = self.weight_normalized is not None and margin_backend(self.backend, features) == "fused"
+        if fused:
+            value, logits = self._fused_loss(features, labels, want_logits)
+        else:
+            logits = self.logits(features)
+            value = F.cross_entropy(self._with_margin(logits, features, labels), labels)
         if self.training and self.schedule is not None:
             self.schedule.advance()
-        return value, logits.detach()
+        return value, (logits.detach() if want_logits else None)
+
+    def loss_and_logits(self, features: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
+        """(:meth:`loss`, the margin-free logits detached) from one logits computation."""
+        return self._loss(features, labels, want_logits=True)
 
     def loss(self, features: Tensor, labels: Tensor) -> Tensor:
         """Mean cross-entropy of :meth:`margin_logits`; advances the lambda schedule in training mode."""
-        return self.loss_and_logits(features, labels)[0]
+        return self._loss(features, labels, want_logits=False)[0]
 
 
 class NormalizedSoftmaxLoss(_MarginHead):
@@ -177,14 +191,18 @@ class NormalizedSoftmaxLoss(_MarginHead):
     L_s, logit s cos(theta_j), features normalised too.
     """
 
+    weight_normalized = True
+
     def __init__(self, in_features: int, num_classes: int, s: float | None = None):
         super().__init__(in_features, num_classes)
         self.s = _check_scale(s, allow_none=True)
 
+    def product_input(self, features: Tensor) -> Tensor:
+        return features if self.s is None else self.s * normalize(features)
+
     def logits(self, features: Tensor) -> Tensor:
         self._check_features(features)
-        x = features if self.s is None else self.s * normalize(features)
-        return _WeightNormalizedLinear.apply(x, self.weight, 1e-12)
+        return WeightNormalizedLinear.apply(self.product_input(features), self.weight, 1e-12)
 
     def _scale(self, features, labels):
         if self.s is None:
@@ -231,6 +249,8 @@ class LSoftmaxLoss(_MarginHead):
         m (int): integer margin >= 1. Default: 4.
         lambda_ (float or LambdaSchedule): annealing weight (0: full margin). Default: 0.
     """
+
+    weight_normalized = False
 
     def __init__(self, in_features: int, num_classes: int, m: int = 4, lambda_: float | LambdaSchedule = 0.0):
         super().__init__(in_features, num_classes)

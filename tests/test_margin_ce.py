@@ -1,0 +1,233 @@
+"""The fused cross-entropy of the margin heads against the reference (autograd over the B x C logits).
+
+The fused backend's two passes run as PyTorch operations in float64 (the oracle for gradcheck), and as
+Triton kernels on CUDA tensors or, on a CPU-only machine, under ``TRITON_INTERPRET=1`` (set here before
+Triton is imported, as in ``test_energy_triton.py``).  Float32 tolerances: 1e-5 relative on the loss and
+2e-5 relative to the largest entry on the gradients (the passes sum in a different order).
+"""
+
+import os
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+from sphereml import launches, margins  # noqa: E402
+from sphereml.margin_ce import margin_cross_entropy  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+FUSABLE = {
+    "normalised": lambda d, c: margins.NormalizedSoftmaxLoss(d, c),
+    "normalised s=10": lambda d, c: margins.NormalizedSoftmaxLoss(d, c, s=10.0),
+    "A-Softmax m=4 annealed": lambda d, c: margins.ASoftmaxLoss(d, c, m=4, lambda_=3.0),
+    "A-Softmax detached": lambda d, c: margins.ASoftmaxLoss(d, c, m=1.5, s=30.0, detach_margin=True),
+    "CosFace": lambda d, c: margins.CosFaceLoss(d, c),
+    "ArcFace": lambda d, c: margins.ArcFaceLoss(d, c),
+    "L-Softmax m=3": lambda d, c: margins.LSoftmaxLoss(d, c, m=3, lambda_=2.0),
+}
+
+
+def _inputs(b, d, c, seed=0, dtype=torch.float64, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(b, d, generator=g, dtype=dtype)
+    labels = torch.randint(c, (b,), generator=g)
+    labels[0], labels[-1] = 0, c - 1  # the first and the last column
+    return x.to(device), labels.to(device)
+
+
+def _loss_and_grads(head, x, labels, backend):
+    head.backend = backend
+    head.zero_grad()
+    x = x.clone().requires_grad_(True)
+    loss, logits = head.loss_and_logits(x, labels)
+    loss.backward()
+    return loss.detach(), logits, x.grad, head.weight.grad.clone()
+
+
+@pytest.mark.parametrize("name", FUSABLE)
+def test_fused_head_equals_reference_in_float64(name):
+    head = FUSABLE[name](8, 13).double()
+    x, labels = _inputs(6, 8, 13)
+    for ref, fused in zip(_loss_and_grads(head, x, labels, "reference"), _loss_and_grads(head, x, labels, "fused")):
+        torch.testing.assert_close(fused, ref, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("normalize_weight", [True, False])
+def test_gradcheck_float64(normalize_weight):
+    x, labels = _inputs(5, 4, 7)
+    w = torch.randn(7, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    t = torch.randn(5, dtype=torch.float64)
+
+    def loss(a, b, c):
+        return margin_cross_entropy(a, b, labels, c, normalize_weight, backend="fused")
+
+    assert torch.autograd.gradcheck(loss, tuple(v.clone().requires_grad_(True) for v in (x, w, t)))
+
+
+def test_degenerate_rows_give_finite_gradients_and_match_the_reference():
+    """A zero class weight (its norm under eps: no gradient through the norm) and a zero feature."""
+    head = margins.ArcFaceLoss(4, 6).double()
+    with torch.no_grad():
+        head.weight[2] = 0.0
+    x, labels = _inputs(5, 4, 6)
+    x[1] = 0.0
+    ref, fused = _loss_and_grads(head, x, labels, "reference"), _loss_and_grads(head, x, labels, "fused")
+    for a, b in zip(ref, fused):
+        assert torch.isfinite(b).all()
+        torch.testing.assert_close(b, a, rtol=1e-12, atol=1e-12)
+
+
+def test_ga_softmax_keeps_the_reference_path():
+    head = margins.GASoftmaxLoss(4, 6, m=2, angular="linear").double()
+    x, labels = _inputs(5, 4, 6)
+    assert head.weight_normalized is None
+    for a, b in zip(_loss_and_grads(head, x, labels, "reference"), _loss_and_grads(head, x, labels, "fused")):
+        torch.testing.assert_close(b, a, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("has_inv", [True, False])
+@pytest.mark.parametrize("b,c,dtype", [(37, 300, torch.float32), (64, 1000, torch.float32), (5, 70, torch.bfloat16)])
+def test_kernel_passes_match_float64(b, c, dtype, has_inv):
+    """The two passes on float32 / bf16 tensors (Triton here) against the same passes in float64 (PyTorch).
+
+    Ragged row and column tiles, several column chunks, labels in the first and last columns, logits up
+    to +-40 (a scaled head) and the loss scale as a device tensor."""
+    g = torch.Generator().manual_seed(b)
+    raw = (torch.randn(b, c, generator=g) * 10).to(dtype)
+    inv = (torch.rand(c, generator=g) + 0.5) if has_inv else torch.empty(0)
+    _, labels = _inputs(b, 1, c, seed=b)
+    target = torch.randn(b, generator=g) * 3
+    scale = torch.tensor([0.37])
+    ops = torch.ops.sphereml
+    lse64 = ops.margin_ce_lse(raw.double(), inv.double(), labels, target.double(), has_inv)
+    g64, col64 = ops.margin_ce_grad(raw.double(), inv.double(), labels, lse64, scale.double(), has_inv)
+    on = {"device": DEVICE}
+    lse = ops.margin_ce_lse(raw.to(**on), inv.to(**on), labels.to(**on), target.to(**on), has_inv)
+    grad, col = ops.margin_ce_grad(raw.to(**on), inv.to(**on), labels.to(**on), lse64.float().to(**on),
+                                   scale.to(**on), has_inv)
+    assert lse.dtype == torch.float32 and grad.dtype == dtype
+    torch.testing.assert_close(lse.double().cpu(), lse64, rtol=1e-5, atol=1e-5)
+    tol = 2 ** -7 if dtype == torch.bfloat16 else 2e-5  # bf16: one unit in the last place (the interpreter truncates)
+    torch.testing.assert_close(grad.double().cpu(), g64, rtol=0, atol=tol * float(g64.abs().max()))
+    assert col.shape == col64.shape
+    if has_inv:
+        torch.testing.assert_close(col.double().cpu(), col64, rtol=0, atol=2e-5 * float(col64.abs().max()))
+
+
+@pytest.mark.parametrize("name", ["ArcFace", "L-Softmax m=3", "A-Softmax m=4 annealed"])
+def test_fused_head_in_float32_matches_float64_reference(name):
+    head = FUSABLE[name](16, 150)
+    x, labels = _inputs(21, 16, 150)
+    ref = _loss_and_grads(head.double(), x, labels, "reference")
+    fused = _loss_and_grads(head.float().to(DEVICE), x.float().to(DEVICE), labels.to(DEVICE), "fused")
+    for a, b in zip(ref, fused):
+        torch.testing.assert_close(b.double().cpu(), a, rtol=0, atol=2e-5 * max(1.0, float(a.abs().max())))
+
+
+class _BigTensorOps(TorchDispatchMode):
+    """Counts the operations that read or write a tensor of at least ``size`` elements."""
+
+    def __init__(self, size: int):
+        super().__init__()
+        self.size, self.ops = size, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        tensors = [t for t in [*args, *(out if isinstance(out, (tuple, list)) else [out])] if isinstance(t, torch.Tensor)]
+        if not func.is_view and any(t.numel() >= self.size for t in tensors):
+            self.ops.append(func.name())
+        return out
+
+
+@pytest.mark.parametrize("name", ["ArcFace", "L-Softmax m=3"])
+def test_fused_loss_touches_the_logits_five_times(name):
+    """One product, one forward pass, one backward pass, two products: against 18 (ArcFace) and 14
+    (L-Softmax) B x C operations on the reference path, and 7 for nn.Linear + cross_entropy."""
+    b, d, c = 16, 8, 200  # C x d below B x C: only the logit-sized tensors count
+    head = FUSABLE[name](d, c).double()
+    x, labels = _inputs(b, d, c)
+    counts = {}
+    for backend in ("reference", "fused"):
+        head.backend = backend
+        with _BigTensorOps(b * c) as mode:
+            head.loss(x.clone().requires_grad_(True), labels).backward()
+        counts[backend] = mode.ops
+    assert counts["fused"] == ["aten::mm", "sphereml::margin_ce_lse", "sphereml::margin_ce_grad", "aten::mm",
+                               "aten::mm"]
+    assert len(counts["reference"]) >= 14
+
+
+def test_fused_loss_never_reads_the_device_on_the_host():
+    head = margins.CosFaceLoss(8, 40)
+    head.backend = "fused"
+    x, labels = _inputs(6, 8, 40, dtype=torch.float32)
+    with launches.no_host_sync():
+        head.loss(x.requires_grad_(True), labels).backward()
+
+
+def test_fused_loss_compiles_without_graph_breaks():
+    torch.compiler.reset()
+    head = margins.ArcFaceLoss(8, 13).double()
+    head.backend = "fused"
+    x, labels = _inputs(6, 8, 13)
+    compiled = torch.compile(head.loss, fullgraph=True, backend="aot_eager")
+    a = x.clone().requires_grad_(True)
+    compiled(a, labels).backward()
+    b = x.clone().requires_grad_(True)
+    head.backend = "reference"
+    head.loss(b, labels).backward()
+    torch.testing.assert_close(a.grad, b.grad, rtol=1e-12, atol=1e-12)
+
+
+def test_autocast_bf16_product_matches_reference():
+    head = margins.ArcFaceLoss(16, 50)
+    x, labels = _inputs(12, 16, 50, dtype=torch.float32)
+    out = {}
+    for backend in ("reference", "fused"):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out[backend] = _loss_and_grads(head, x, labels, backend)
+    for a, b in zip(out["reference"], out["fused"]):
+        assert b.dtype == a.dtype
+        torch.testing.assert_close(b.float(), a.float(), rtol=0, atol=2e-2 * max(1.0, float(a.float().abs().max())))
+
+
+def test_bad_backend_is_named():
+    head = margins.CosFaceLoss(4, 5)
+    with pytest.raises(ValueError, match="backend must be one of"):
+        head.backend = "cuda"
+    x, labels = _inputs(3, 4, 5)
+    with pytest.raises(ValueError, match="backend must be one of"):
+        margin_cross_entropy(x, head.weight.double(), labels, x[:, 0], backend="triton")
+
+
+def test_auto_is_the_reference_on_the_cpu():
+    """The PyTorch form of the two passes is not faster than autograd on a CPU: ArcFace, CosFace, A- and
+    L-Softmax took 1.30, 1.40, 1.27 and 1.61x of nn.Linear + cross_entropy fused against 1.14, 1.30, 1.20
+    and 1.64x on the reference path (B = 256, d = 512, C = 10,000, our 2 cores, one run)."""
+    from sphereml.margin_ce import resolve_backend
+
+    assert resolve_backend("auto", torch.zeros(1)) == "reference"
+    assert resolve_backend("fused", torch.zeros(1)) == "fused"
+
+
+def test_kernels_compile_for_sm90_without_spills():
+    """Both kernels, float32 and bf16 products, with and without weight norms, compiled for an H100 here
+    (``benchmarks/sm90.py``; in a subprocess, as the kernels of this process are interpreted)."""
+    pytest.importorskip("triton.compiler", reason="needs Triton's compiler")
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = "import json; from benchmarks.bench_margins import compile_check; print(json.dumps(compile_check()))"
+    done = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1], text=True,
+                          capture_output=True, env={**os.environ, "TRITON_INTERPRET": "0"}, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = json.loads(done.stdout.splitlines()[-1])
+    assert len(rows) == 8
+    for row in rows:
+        assert row["spill_store_bytes"] in (0, None), row
+        assert row["registers"] is None or row["registers"] <= 255, row
