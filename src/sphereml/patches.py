@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ._checks import integer
-from .geometry import max_abs_scale, normalize
+from .geometry import max_abs_scale, safe_norm
 
 __all__ = ["pair", "check_padding", "conv_arguments", "explicit_padding", "output_size", "patch_cosine2d",
            "patch_norm2d", "patchwise_reference"]
@@ -197,6 +197,33 @@ class _DivideByPatchNorm(torch.autograd.Function):
         return grad_inner, grad_x, grad_q, None, None, None, None, None, None
 
 
+class _UnitKernels(torch.autograd.Function):
+    """w_hat = w / max(||w||, eps) for each flattened kernel (the w_hat of thesis eq. 3.1), by hand.
+
+    Backward: dw = (g - w_hat (g . w_hat)) / max(||w||, eps), without the projection where the norm is
+    floored (there w_hat = w / eps is linear in w).  15 operations forward + backward where autograd
+    through :func:`~sphereml.geometry.normalize` dispatches 26, once per layer and step.  Once
+    differentiable, as the patch-norm division that follows it.
+    """
+
+    @staticmethod
+    def forward(ctx, weight: Tensor, eps: float) -> Tensor:
+        flat = weight.flatten(1)
+        norm = safe_norm(flat, dim=1, keepdim=True)
+        denominator = norm.clamp_min(eps)
+        unit = flat / denominator
+        ctx.save_for_backward(unit, denominator, norm >= eps)
+        return unit.view_as(weight)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad: Tensor):
+        unit, denominator, active = ctx.saved_tensors
+        g = grad.reshape(unit.shape)
+        along = (g * unit).sum(1, keepdim=True) * active
+        return ((g - unit * along) / denominator).view_as(grad), None
+
+
 def patch_cosine2d(x: Tensor, weight: Tensor, stride=1, padding=0, dilation=1, groups: int = 1, eps: float = 1e-6,
                    q: float | Tensor | None = None) -> Tensor:
     """w . x / (||w|| (||x|| + q)) between every kernel w and every receptive-field patch x.
@@ -219,7 +246,7 @@ def patch_cosine2d(x: Tensor, weight: Tensor, stride=1, padding=0, dilation=1, g
     kernel_size = tuple(weight.shape[2:])
     stride, dilation = pair(stride, "stride", 1), pair(dilation, "dilation", 1)
     x, padding = explicit_padding(x, padding, kernel_size, stride, dilation)
-    w_hat = normalize(weight.flatten(1), eps=eps).view_as(weight)
+    w_hat = _UnitKernels.apply(weight, eps)
     inner = F.conv2d(x, w_hat, None, stride, padding, dilation, groups)  # (B, C_out, H', W')
     if q is not None and not isinstance(q, Tensor):
         q = None if q == 0 else float(q)  # a number stays on the host: no copy to the device per call
