@@ -47,27 +47,34 @@ class OpCount:
 
 
 class _Counter(TorchDispatchMode):
-    def __init__(self, count: "OpCount"):
+    def __init__(self, count: "OpCount", touching: int):
         super().__init__()
-        self.count = count
+        self.count, self.touching = count, touching
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if self.touching:
+            tensors = [*args, *(out if isinstance(out, (tuple, list)) else [out])]
+            if not any(isinstance(t, torch.Tensor) and t.numel() >= self.touching for t in tensors):
+                return out
         if func.is_view:
             self.count.views += 1
         else:
             self.count.total += 1
             self.count.by_op[func.name()] += 1
-        return func(*args, **(kwargs or {}))
+        return out
 
 
-def count_ops(fn: Callable[[], object]) -> OpCount:
+def count_ops(fn: Callable[[], object], touching: int = 0) -> OpCount:
     """Call ``fn()`` once and count the aten operations it dispatches (forward, backward and optimiser).
 
     View operations (``view``, ``transpose``, ``detach``, ...) move no data and launch no kernel; they are
-    counted apart in ``views``.  Each of the others is about one kernel launch on a GPU.
+    counted apart in ``views``.  Each of the others is about one kernel launch on a GPU.  ``touching=n``
+    counts only the operations that read or write a tensor of at least n elements (e.g. the B x C logits
+    of a classifier: the passes over memory that set a large layer's time).
     """
     count = OpCount()
-    with _Counter(count):
+    with _Counter(count, touching):
         fn()
     return count
 
