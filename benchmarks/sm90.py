@@ -34,7 +34,7 @@ def compile_kernel(kernel, types: dict, constants: dict, num_warps: int, num_sta
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    jit = kernel if hasattr(kernel, "arg_names") else kernel.fn  # a JITFunction, or the one an Autotuner wraps
+    jit = kernel.fn if isinstance(kernel, triton.runtime.Autotuner) else kernel  # the JITFunction
     signature = {arg: "constexpr" if arg in constants else types[arg] for arg in jit.arg_names}
     source = ASTSource(fn=jit, signature=signature,
                        constexprs={(jit.arg_names.index(k),): v for k, v in constants.items()})

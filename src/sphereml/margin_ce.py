@@ -137,10 +137,16 @@ def _kernels():
     return triton, _margin_kernels
 
 
+def _placeholder(inv: Tensor) -> Tensor:
+    """``inv``, or one float when it is empty: an empty CUDA tensor has a null pointer, which Triton's
+    launcher refuses even for an argument the kernel never reads."""
+    return inv if inv.numel() else inv.new_empty(1)
+
+
 def _triton_lse(raw, inv, labels, target, has_inv):
     triton, kernels = _kernels()
     (b, c), (bm, bn, warps) = raw.shape, kernels.LSE_BLOCKS
-    raw = raw.contiguous()
+    raw, inv = raw.contiguous(), _placeholder(inv)
     row_blocks = triton.cdiv(b, bm)
     n_chunks = max(1, min(triton.cdiv(c, bn), triton.cdiv(4 * 132, row_blocks)))  # ~4 programs per H100 SM
     chunk = triton.cdiv(triton.cdiv(c, n_chunks), bn) * bn  # a multiple of BN: tiles never straddle chunks
@@ -158,10 +164,10 @@ def _triton_lse(raw, inv, labels, target, has_inv):
 def _triton_grad(raw, inv, labels, lse, scale, has_inv):
     triton, kernels = _kernels()
     (b, c), (bm, bn, warps) = raw.shape, kernels.GRAD_BLOCKS
-    raw = raw.contiguous()
+    raw, inv = raw.contiguous(), _placeholder(inv)
     grid = (triton.cdiv(b, bm), triton.cdiv(c, bn))
     grad = torch.empty_like(raw)
-    partial = torch.empty(grid[0] if has_inv else 0, c, dtype=torch.float32, device=raw.device)
+    partial = torch.empty(grid[0] if has_inv else 1, c, dtype=torch.float32, device=raw.device)
     kernels.grad_kernel[grid](raw, inv, labels, lse, scale, grad, partial, b, c, raw.stride(0),
                               HAS_INV=has_inv, BM=bm, BN=bn, num_warps=warps)
     return grad, partial.sum(0) if has_inv else partial.new_empty(0)
