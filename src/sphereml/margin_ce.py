@@ -126,7 +126,7 @@ def _grad(raw: Tensor, inv: Tensor, labels: Tensor, lse: Tensor, scale: Tensor,
 
 @_grad.register_fake
 def _(raw, inv, labels, lse, scale, has_inv):
-    return torch.empty_like(raw), raw.new_empty(raw.shape[1] if has_inv else 0, dtype=_accumulation_dtype(raw))
+    return raw.new_empty(raw.shape), raw.new_empty(raw.shape[1] if has_inv else 0, dtype=_accumulation_dtype(raw))
 
 
 def _kernels():
@@ -146,9 +146,9 @@ def _placeholder(inv: Tensor) -> Tensor:
 def _triton_lse(raw, inv, labels, target, has_inv):
     triton, kernels = _kernels()
     (b, c), (bm, bn, warps) = raw.shape, kernels.LSE_BLOCKS
-    raw, inv = raw.contiguous(), _placeholder(inv)
+    raw, inv, labels = raw.contiguous(), _placeholder(inv), labels.contiguous()  # the kernels assume stride 1
     row_blocks = triton.cdiv(b, bm)
-    n_chunks = max(1, min(triton.cdiv(c, bn), triton.cdiv(4 * 132, row_blocks)))  # ~4 programs per H100 SM
+    n_chunks = max(1, min(triton.cdiv(c, bn), triton.cdiv(4 * 132, max(row_blocks, 1))))  # ~4 programs per H100 SM
     chunk = triton.cdiv(triton.cdiv(c, n_chunks), bn) * bn  # a multiple of BN: tiles never straddle chunks
     n_chunks = triton.cdiv(c, chunk)
     maxes = torch.empty(b, n_chunks, dtype=torch.float32, device=raw.device)
@@ -164,7 +164,7 @@ def _triton_lse(raw, inv, labels, target, has_inv):
 def _triton_grad(raw, inv, labels, lse, scale, has_inv):
     triton, kernels = _kernels()
     (b, c), (bm, bn, warps) = raw.shape, kernels.GRAD_BLOCKS
-    raw, inv = raw.contiguous(), _placeholder(inv)
+    raw, inv, labels = raw.contiguous(), _placeholder(inv), labels.contiguous()
     grid = (triton.cdiv(b, bm), triton.cdiv(c, bn))
     grad = torch.empty_like(raw)
     partial = torch.empty(grid[0] if has_inv else 1, c, dtype=torch.float32, device=raw.device)
@@ -189,6 +189,7 @@ class _FusedMarginCE(torch.autograd.Function):
         loss = (lse - target.to(lse.dtype)).mean()
         ctx.save_for_backward(x, weight, raw, inv, active, lse, labels, target)
         ctx.normalize_weight = normalize_weight
+        ctx.set_materialize_grads(False)  # no B x C zeros for the gradient of the logits output
         if not return_logits:
             return loss, None
         logits = raw * inv if normalize_weight else raw.clone()
@@ -196,7 +197,10 @@ class _FusedMarginCE(torch.autograd.Function):
         return loss, logits
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, grad_loss, _grad_logits):
+        if grad_loss is None:  # grads are not materialised: the loss was not used
+            return (None,) * 7
         x, weight, raw, inv, active, lse, labels, target = ctx.saved_tensors
         scale = (grad_loss.to(lse.dtype) / raw.shape[0]).reshape(1)  # stays on the device
         g, colsum = torch.ops.sphereml.margin_ce_grad(raw, inv, labels, lse, scale, ctx.normalize_weight)
