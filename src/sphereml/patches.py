@@ -23,6 +23,16 @@ Note [zero patch]
     its derivative at 0 would be infinite, and the floor at eps after it passes no gradient).  Above
     eps a layer with q = 0 is exactly invariant to rescaling the patch.
 
+Note [fused epilogue]
+    After the convolution the layer's work is elementwise: divide each inner product by its patch norm
+    (+ q), clamp, and for SCS sharpen.  Eagerly that is a pass over the B x C_out x H' x W' output per
+    operation (8 forward + backward for the cosine, 17 with sharpening).  On CUDA (``backend="auto"``) one
+    Triton kernel does it all forward and one backward (:mod:`sphereml._patch_kernels`, registered as the
+    custom operators ``sphereml::patch_epilogue`` and ``patch_epilogue_backward`` so ``torch.compile``
+    traces them), reading the inner products once; the patch norms still come from the depthwise
+    convolution above.  The fused output keeps the input's dtype (bf16 stays bf16, as a convolution's);
+    the reference path promotes half inputs to float32.  The CPU keeps the reference path.
+
 Note [patch norm without overflow]
     In float32 and bfloat16 the square of 1e19 is inf and that of 1e-20 is 0.  Each sample is
     divided by its largest absolute value before squaring and the norms are multiplied back after the
@@ -36,11 +46,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ._checks import integer
+from ._checks import integer, real_number
+from .energy.triton_backend import usable_on
 from .geometry import max_abs_scale, safe_norm
 
 __all__ = ["pair", "check_padding", "conv_arguments", "explicit_padding", "output_size", "patch_cosine2d",
-           "patch_norm2d", "patchwise_reference"]
+           "patch_norm2d", "patchwise_reference", "sharpen", "EPILOGUE_BACKENDS"]
+
+EPILOGUE_BACKENDS = ("auto", "reference", "fused")
+_GRAD_FLOOR = 1e-6  # Note [sharpening without NaN] in sphereml.scs
 
 
 def pair(value, name: str, minimum: int) -> tuple[int, int]:
@@ -136,6 +150,29 @@ def patchwise_reference(x: Tensor, weight: Tensor, fn, stride=1, padding=0, dila
     return torch.cat(outs, 1).view(b, c_out, *shape)
 
 
+def _squared_patch_norms(x: Tensor, kernel_size, stride, padding, dilation, groups: int):
+    """s = conv(e, ones) with e the sum over each group's channels of x^2: (e's shape, Tensor[B, G, H', W']).
+
+    Summed in float32 (x^2 overflows float16 above 256)."""
+    b, c, h, w = x.shape
+    with torch.autocast(x.device.type, enabled=False):
+        xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+        energy = xf.square().reshape(b, groups, c // groups, h, w).sum(2)  # (B, G, H, W)
+        ones = energy.new_ones(groups, 1, *kernel_size)
+        return energy.shape, F.conv2d(energy, ones, None, stride, padding, dilation, groups)
+
+
+def _grad_x_from_grad_m(grad_m: Tensor, x: Tensor, norm: Tensor, sq: Tensor, energy_shape, conv) -> Tensor:
+    """d/dx = 2 x conv_transpose(d/ds, ones) with d/ds = (d/dm) / 2n, zero where the floor is active."""
+    kernel_size, stride, padding, dilation, groups, eps = conv
+    grad_sq = grad_m.div_(norm).mul_(0.5).mul_(sq >= eps * eps)
+    ones = grad_sq.new_ones(groups, 1, *kernel_size)
+    grad_energy = torch.nn.grad.conv2d_input(energy_shape, ones, grad_sq, stride, padding, dilation, groups)
+    b, c, h, w = x.shape
+    grad_x = (x.reshape(b, groups, c // groups, h, w) * grad_energy.unsqueeze(2)).mul_(2.0)
+    return grad_x.reshape(b, c, h, w).to(x.dtype)
+
+
 class _DivideByPatchNorm(torch.autograd.Function):
     """cos = clamp(inner / (||x_patch|| + q), -1, 1) with the patch norm of Note [patch norm by convolution].
 
@@ -149,33 +186,28 @@ class _DivideByPatchNorm(torch.autograd.Function):
     The clamp only removes rounding (the inner product never exceeds the norm product) and
     passes the gradient through.  Four elementwise passes over the B x C x H x W tensors
     instead of autograd's eight: 1.46x -> 1.17x of ``nn.Conv2d`` forward + backward at 64
-    channels, 32x32, batch 32, in one A/B run on our 2-core CPU.  The norms are summed in float32
-    (x^2 overflows float16 above 256).
+    channels, 32x32, batch 32, in one A/B run on our 2-core CPU.
     """
 
     @staticmethod
     def forward(ctx, inner: Tensor, x: Tensor, q: Tensor | float | None, kernel_size, stride, padding, dilation,
                 groups: int, eps: float) -> Tensor:
-        b, c, h, w = x.shape
-        with torch.autocast(x.device.type, enabled=False):
-            xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
-            energy = xf.square().reshape(b, groups, c // groups, h, w).sum(2)  # (B, G, H, W)
-            ones = energy.new_ones(groups, 1, *kernel_size)
-            sq = F.conv2d(energy, ones, None, stride, padding, dilation, groups)  # (B, G, H', W')
+        energy_shape, sq = _squared_patch_norms(x, kernel_size, stride, padding, dilation, groups)
         norm = sq.clamp_min(eps * eps).sqrt_()
         denominator = norm if q is None else norm + q
         bo, co, ho, wo = inner.shape
         grouped = (bo, groups, co // groups, ho, wo)
         cos = (inner.view(grouped) / denominator.unsqueeze(2)).view(bo, co, ho, wo)
         ctx.save_for_backward(inner, x, norm, denominator, sq)
-        ctx.conv = (kernel_size, stride, padding, dilation, groups, eps, energy.shape, q is not None)
+        ctx.conv = (kernel_size, stride, padding, dilation, groups, eps)
+        ctx.energy_shape, ctx.has_q = energy_shape, q is not None
         # Out of place: torch.compile (2.11) drops the backward of a Function whose output is changed in place.
         return cos.clamp(-1.0, 1.0)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
         inner, x, norm, denominator, sq = ctx.saved_tensors
-        kernel_size, stride, padding, dilation, groups, eps, energy_shape, has_q = ctx.conv
+        groups = ctx.conv[4]
         bo, co, ho, wo = inner.shape
         g = grad.reshape(bo, groups, co // groups, ho, wo)
         inv = denominator.reciprocal()  # (B, G, H', W')
@@ -183,18 +215,163 @@ class _DivideByPatchNorm(torch.autograd.Function):
         grad_x = grad_q = None
         if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
             grad_m = (g * inner.reshape(g.shape)).sum(2).mul_(inv.square()).neg_()  # d/dm, (B, G, H', W')
-            if has_q and ctx.needs_input_grad[2]:
+            if ctx.has_q and ctx.needs_input_grad[2]:
                 grad_q = grad_m.sum()
             if ctx.needs_input_grad[1]:
-                # d/ds = (d/dm) / 2n, zero where the floor is active
-                grad_sq = grad_m.div_(norm).mul_(0.5).mul_(sq >= eps * eps)
-                ones = grad_sq.new_ones(groups, 1, *kernel_size)
-                grad_energy = torch.nn.grad.conv2d_input(energy_shape, ones, grad_sq, stride, padding, dilation,
-                                                         groups)
-                b, c, h, w = x.shape
-                grad_x = (x.reshape(b, groups, c // groups, h, w) * grad_energy.unsqueeze(2)).mul_(2.0)
-                grad_x = grad_x.reshape(b, c, h, w).to(x.dtype)
+                grad_x = _grad_x_from_grad_m(grad_m, x, norm, sq, ctx.energy_shape, ctx.conv)
         return grad_inner, grad_x, grad_q, None, None, None, None, None, None
+
+
+def _kernels():
+    import triton
+
+    from . import _patch_kernels
+
+    return triton, _patch_kernels
+
+
+def _scalar(value: Tensor | float | None, placeholder: Tensor, default: float):
+    """(pointer, number, mode) for the kernels: mode 0 none, 1 the number, 2 the tensor."""
+    if value is None:
+        return placeholder, default, 0
+    return (placeholder, value, 1) if isinstance(value, float) else (value, default, 2)
+
+
+@torch.library.custom_op("sphereml::patch_epilogue", mutates_args=())
+def _epilogue_forward(inner: Tensor, sq: Tensor, q: Tensor | None, q_value: float | None, p: Tensor | None,
+                      p_value: float | None, groups: int, eps: float) -> Tensor:
+    """y = sign(c) abs(c)^p (or c), c = clamp(inner / (sqrt(max(sq, eps^2)) + q), -1, 1): one kernel."""
+    triton, kernels = _kernels()
+    bc, bp, warps = kernels.FORWARD_BLOCKS
+    (b, co, ho, wo), placeholder = inner.shape, sq.new_empty(1)
+    q_ptr, q_num, q_mode = _scalar(q if q is not None else q_value, placeholder, 0.0)
+    p_ptr, p_num, p_mode = _scalar(p if p is not None else p_value, placeholder, 1.0)
+    inner, out = inner.contiguous(), torch.empty(inner.shape, dtype=inner.dtype, device=inner.device)
+    grid = (b * groups, triton.cdiv(co // groups, bc), triton.cdiv(ho * wo, bp))
+    kernels.forward_kernel[grid](inner, sq, q_ptr, p_ptr, out, q_num, p_num, groups, co // groups, ho * wo, eps * eps,
+                                 Q_MODE=q_mode, POWER=p_mode, BC=bc, BP=bp, num_warps=warps)
+    return out
+
+
+@_epilogue_forward.register_fake
+def _(inner, sq, q, q_value, p, p_value, groups, eps):
+    return inner.new_empty(inner.shape)
+
+
+@torch.library.custom_op("sphereml::patch_epilogue_backward", mutates_args=())
+def _epilogue_backward(grad: Tensor, inner: Tensor, sq: Tensor, q: Tensor | None, q_value: float | None,
+                       p: Tensor | None, p_value: float | None, groups: int,
+                       eps: float) -> tuple[Tensor, Tensor, Tensor]:
+    """(dL/dinner, dL/dm: Tensor[B, G, H', W'], dL/dp: Tensor[C_out], empty without a tensor p): one kernel."""
+    triton, kernels = _kernels()
+    bc, bp, warps = kernels.BACKWARD_BLOCKS
+    (b, co, ho, wo), placeholder = inner.shape, sq.new_empty(1)
+    q_ptr, q_num, q_mode = _scalar(q if q is not None else q_value, placeholder, 0.0)
+    p_ptr, p_num, p_mode = _scalar(p if p is not None else p_value, placeholder, 1.0)
+    blocks = triton.cdiv(ho * wo, bp)
+    inner, grad_inner, grad_m = inner.contiguous(), torch.empty_like(inner, memory_format=torch.contiguous_format), \
+        torch.empty_like(sq)
+    partial = torch.zeros(b * groups * blocks if p is not None else 1, co, device=sq.device)
+    kernels.backward_kernel[(b * groups, blocks)](
+        inner, sq, q_ptr, p_ptr, grad.contiguous(), grad_inner, grad_m, partial, q_num, p_num, groups, co // groups,
+        ho * wo, co, eps * eps, Q_MODE=q_mode, POWER=p_mode, BC=bc, BP=bp, num_warps=warps)
+    return grad_inner, grad_m, partial.sum(0) if p is not None else partial.new_empty(0)
+
+
+@_epilogue_backward.register_fake
+def _(grad, inner, sq, q, q_value, p, p_value, groups, eps):
+    return inner.new_empty(inner.shape), sq.new_empty(sq.shape), sq.new_empty(inner.shape[1] if p is not None else 0)
+
+
+def _split(value: Tensor | float | None) -> tuple[Tensor | None, float | None]:
+    return (value, None) if isinstance(value, Tensor) else (None, value)
+
+
+class _FusedEpilogue(torch.autograd.Function):
+    """:class:`_DivideByPatchNorm` and, with p, :func:`sharpen` in one Triton kernel each way.
+
+    The squared patch norms s come from the same depthwise convolution; then one kernel reads the
+    inner products once and writes y = sign(c) abs(c)^p (or c), and the backward kernel reads the
+    inner products and dL/dy once and writes dL/dinner, dL/dm per position and the dL/dp partial sums
+    (:mod:`sphereml._patch_kernels`).  p: a number or one value per channel (Tensor[C_out]).
+    """
+
+    @staticmethod
+    def forward(ctx, inner, x, q, p, kernel_size, stride, padding, dilation, groups, eps):
+        energy_shape, sq = _squared_patch_norms(x, kernel_size, stride, padding, dilation, groups)
+        sq = sq.contiguous()
+        ctx.save_for_backward(inner, x, sq, q if isinstance(q, Tensor) else None, p if isinstance(p, Tensor) else None)
+        ctx.numbers = (q if not isinstance(q, Tensor) else None, p if not isinstance(p, Tensor) else None)
+        ctx.conv, ctx.energy_shape = (kernel_size, stride, padding, dilation, groups, eps), energy_shape
+        return torch.ops.sphereml.patch_epilogue(inner, sq, *_split(q), *_split(p), groups, eps)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        inner, x, sq, q_tensor, p_tensor = ctx.saved_tensors
+        q = q_tensor if q_tensor is not None else ctx.numbers[0]
+        p = p_tensor if p_tensor is not None else ctx.numbers[1]
+        groups, eps = ctx.conv[4], ctx.conv[5]
+        grad_inner, grad_m, grad_p = torch.ops.sphereml.patch_epilogue_backward(grad, inner, sq, *_split(q), *_split(p),
+                                                                                 groups, eps)
+        grad_q = grad_m.sum().to(q.dtype) if q_tensor is not None and ctx.needs_input_grad[2] else None
+        grad_p = grad_p.to(p.dtype) if p_tensor is not None and ctx.needs_input_grad[3] else None
+        grad_x = None
+        if ctx.needs_input_grad[1]:
+            norm = sq.clamp_min(eps * eps).sqrt_()
+            grad_x = _grad_x_from_grad_m(grad_m, x, norm, sq, ctx.energy_shape, ctx.conv)
+        return grad_inner, grad_x, grad_q, grad_p, None, None, None, None, None, None
+
+
+def _epilogue_backend(backend: str, x: Tensor) -> str:
+    if backend not in EPILOGUE_BACKENDS:
+        raise ValueError(f"backend must be one of {EPILOGUE_BACKENDS}, got {backend!r}")
+    fusable = usable_on(x) and x.dtype != torch.float64
+    if backend == "auto":
+        return "fused" if fusable and x.is_cuda else "reference"
+    if backend == "fused" and not fusable:
+        raise ValueError("backend='fused' needs Triton and float32 or half CUDA tensors (on the CPU, TRITON_INTERPRET=1)")
+    return backend
+
+
+class _Sharpen(torch.autograd.Function):
+    """sign(c) abs(c)^p with p a number or a tensor broadcast against c, in one autograd node.
+
+    Forward computes y = sign(c) abs(c)^p exactly.  Backward (Note [sharpening without NaN]) reuses
+    abs(c)^p: dy/dc = p abs(c)^p / max(abs(c), 1e-6) and dy/dp = y ln max(abs(c), 1e-6) (summed over the broadcast
+    axes), exact for abs(c) >= 1e-6 and finite below; one ``pow`` in all, as for plain autograd's forward.
+    """
+
+    @staticmethod
+    def forward(ctx, c: Tensor, p: float | Tensor) -> Tensor:
+        powered = c.abs().pow(p)  # abs(c)^p
+        ctx.save_for_backward(c, powered, p if isinstance(p, Tensor) else None)
+        ctx.p = p if not isinstance(p, Tensor) else None
+        return powered * torch.sign(c)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        c, powered, p_tensor = ctx.saved_tensors
+        p = p_tensor if p_tensor is not None else ctx.p
+        floored = c.abs().clamp_min_(_GRAD_FLOOR)
+        grad_c = grad_p = None
+        if ctx.needs_input_grad[0]:
+            grad_c = (powered / floored).mul_(grad).mul_(p)
+        if p_tensor is not None and ctx.needs_input_grad[1]:
+            grad_p = floored.log_().mul_(powered).mul_(torch.sign(c)).mul_(grad).sum_to_size(p_tensor.shape)
+        return grad_c, grad_p
+
+
+def sharpen(c: Tensor, p: float | Tensor) -> Tensor:
+    """sign(c) abs(c)^p: the sharpening of the paper's Sec. 1, finite gradients at c = 0.
+
+    Args:
+        c (Tensor): cosines (any shape).
+        p (float or Tensor): exponent > 0, broadcast against ``c`` (a tensor gets a gradient).
+    """
+    if not isinstance(p, Tensor):
+        p = real_number("p", p, above=0.0)
+    return _Sharpen.apply(c, p)
 
 
 class _UnitKernels(torch.autograd.Function):
@@ -225,11 +402,13 @@ class _UnitKernels(torch.autograd.Function):
 
 
 def patch_cosine2d(x: Tensor, weight: Tensor, stride=1, padding=0, dilation=1, groups: int = 1, eps: float = 1e-6,
-                   q: float | Tensor | None = None) -> Tensor:
-    """w . x / (||w|| (||x|| + q)) between every kernel w and every receptive-field patch x.
+                   q: float | Tensor | None = None, power: float | Tensor | None = None,
+                   backend: str = "auto") -> Tensor:
+    """w . x / (||w|| (||x|| + q)) between every kernel w and every receptive-field patch x, optionally sharpened.
 
     With ``q`` None (or 0) this is cos(theta) (thesis eq. 3.1); a q > 0 damps weak patches, as the
     denominator of sharpened cosine similarity does.  ||x|| is floored at ``eps`` (Note [zero patch]).
+    With ``power`` p the result is :func:`sharpen`'s sign(c) abs(c)^p (SCS, the paper's Sec. 1).
 
     Args:
         x (Tensor[B, C_in, H, W]): input.
@@ -239,6 +418,10 @@ def patch_cosine2d(x: Tensor, weight: Tensor, stride=1, padding=0, dilation=1, g
         eps (float): patch-norm floor. Default: 1e-6.
         q (float or 0-dim Tensor, optional): offset added to the patch norm (a tensor gets a gradient; a number
             is never copied to the device).
+        power (float, or a Tensor of 1 or C_out values, e.g. Tensor[C_out, 1, 1], optional): sharpening
+            exponent p > 0 (a tensor gets a gradient).
+        backend (str): ``"auto"`` (fused on CUDA), ``"reference"`` (:class:`_DivideByPatchNorm` then
+            :func:`sharpen`) or ``"fused"`` (one Triton kernel each way; float32 or half). Default: ``"auto"``.
 
     Returns:
         Tensor[B, C_out, H', W'] in [-1, 1].
@@ -250,4 +433,11 @@ def patch_cosine2d(x: Tensor, weight: Tensor, stride=1, padding=0, dilation=1, g
     inner = F.conv2d(x, w_hat, None, stride, padding, dilation, groups)  # (B, C_out, H', W')
     if q is not None and not isinstance(q, Tensor):
         q = None if q == 0 else float(q)  # a number stays on the host: no copy to the device per call
-    return _DivideByPatchNorm.apply(inner, x, q, kernel_size, stride, padding, dilation, groups, eps)
+    if power is not None and not isinstance(power, Tensor):
+        power = real_number("power", power, above=0.0)
+    conv = (kernel_size, stride, padding, dilation, groups, eps)
+    if _epilogue_backend(backend, x) == "fused":
+        per_channel = power.reshape(-1).expand(weight.shape[0]).contiguous() if isinstance(power, Tensor) else power
+        return _FusedEpilogue.apply(inner, x, q, per_channel, *conv)
+    cos = _DivideByPatchNorm.apply(inner, x, q, *conv)
+    return cos if power is None else sharpen(cos, power)

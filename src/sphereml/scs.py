@@ -16,7 +16,7 @@ definition is :func:`scs_conv2d_reference` (unfold); the layer computes c with o
 
 Note [sharpening without NaN]
     d abs(c)^p / dc = p abs(c)^(p-1) is infinite at c = 0 for p < 1, and d abs(c)^p / dp =
-    abs(c)^p ln abs(c) is 0 * inf there.  :class:`_Sharpen` computes the exact value
+    abs(c)^p ln abs(c) is 0 * inf there.  :func:`~sphereml.patches.sharpen` computes the exact value
     sign(c) abs(c)^p (so abs(out) <= 1 holds exactly, unlike the upstream (abs(c) + 1e-6)^p) and
     takes the derivatives as p abs(c)^p / max(abs(c), 1e-6) and y ln max(abs(c), 1e-6): exact for
     abs(c) >= 1e-6, finite at c = 0, at zero patches and at abs(c) = 1 in every dtype.  Reusing
@@ -43,54 +43,13 @@ from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
 from ._checks import one_of, real_number
-from .patches import conv_arguments, pair, patch_cosine2d, patchwise_reference
+from .patches import conv_arguments, pair, patch_cosine2d, patchwise_reference, sharpen
 
 __all__ = ["P_PARAMS", "P_MIN", "sharpen", "scs_conv2d", "scs_conv2d_reference", "SharpenedCosineSimilarity2d",
            "max_abs_pool2d", "MaxAbsPool2d"]
 
 P_PARAMS = ("exp", "raw")
 P_MIN = 0.1  # the floor of the "raw" parameterisation of p (upstream, May 2022)
-_GRAD_FLOOR = 1e-6  # Note [sharpening without NaN]
-
-
-class _Sharpen(torch.autograd.Function):
-    """sign(c) abs(c)^p with p a number or a tensor broadcast against c, in one autograd node.
-
-    Forward computes y = sign(c) abs(c)^p exactly.  Backward (Note [sharpening without NaN]) reuses
-    abs(c)^p: dy/dc = p abs(c)^p / max(abs(c), 1e-6) and dy/dp = y ln max(abs(c), 1e-6) (summed over the broadcast
-    axes), exact for abs(c) >= 1e-6 and finite below; one ``pow`` in all, as for plain autograd's forward.
-    """
-
-    @staticmethod
-    def forward(ctx, c: Tensor, p: float | Tensor) -> Tensor:
-        powered = c.abs().pow(p)  # abs(c)^p
-        ctx.save_for_backward(c, powered, p if isinstance(p, Tensor) else None)
-        ctx.p = p if not isinstance(p, Tensor) else None
-        return powered * torch.sign(c)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        c, powered, p_tensor = ctx.saved_tensors
-        p = p_tensor if p_tensor is not None else ctx.p
-        floored = c.abs().clamp_min_(_GRAD_FLOOR)
-        grad_c = grad_p = None
-        if ctx.needs_input_grad[0]:
-            grad_c = (powered / floored).mul_(grad).mul_(p)
-        if p_tensor is not None and ctx.needs_input_grad[1]:
-            grad_p = floored.log_().mul_(powered).mul_(torch.sign(c)).mul_(grad).sum_to_size(p_tensor.shape)
-        return grad_c, grad_p
-
-
-def sharpen(c: Tensor, p: float | Tensor) -> Tensor:
-    """sign(c) abs(c)^p: the sharpening of the paper's Sec. 1, finite gradients at c = 0.
-
-    Args:
-        c (Tensor): cosines (any shape).
-        p (float or Tensor): exponent > 0, broadcast against ``c`` (a tensor gets a gradient).
-    """
-    if not isinstance(p, Tensor):
-        p = real_number("p", p, above=0.0)
-    return _Sharpen.apply(c, p)
 
 
 def scs_conv2d(x: Tensor, weight: Tensor, p: float | Tensor = 2.0, q: float | Tensor = 1e-3, stride=1, padding=0,
@@ -110,8 +69,7 @@ def scs_conv2d(x: Tensor, weight: Tensor, p: float | Tensor = 2.0, q: float | Te
     """
     if not isinstance(q, Tensor):
         q = real_number("q", q, at_least=0.0)
-    c = patch_cosine2d(x, weight, stride, padding, dilation, groups, eps, q)
-    return sharpen(c, p)
+    return patch_cosine2d(x, weight, stride, padding, dilation, groups, eps, q, power=p)
 
 
 def scs_conv2d_reference(x: Tensor, weight: Tensor, p: float | Tensor = 2.0, q: float = 1e-3, stride=1, padding=0,
@@ -192,14 +150,19 @@ class SharpenedCosineSimilarity2d(nn.Conv2d):
     def _p(self) -> float | Tensor:
         return self.p.view(-1, 1, 1) if self.learnable else self.p  # (C_out, 1, 1) when learned
 
-    def cosine(self, x: Tensor) -> Tensor:
-        """c = s . k / ((||s|| + q) ||k||) for every kernel and patch, Tensor[B, C_out, H', W'] (before sharpening)."""
+    def _check_input(self, x: Tensor) -> None:
         if x.dim() != 4 or x.shape[1] != self.in_channels:
             raise ValueError(f"input must be Tensor[B, {self.in_channels}, H, W], got shape {tuple(x.shape)}")
+
+    def cosine(self, x: Tensor) -> Tensor:
+        """c = s . k / ((||s|| + q) ||k||) for every kernel and patch, Tensor[B, C_out, H', W'] (before sharpening)."""
+        self._check_input(x)
         return patch_cosine2d(x, self.weight, self.stride, self.padding, self.dilation, self.groups, self.eps, self.q)
 
     def forward(self, x: Tensor) -> Tensor:
-        out = sharpen(self.cosine(x), self._p())
+        self._check_input(x)
+        out = patch_cosine2d(x, self.weight, self.stride, self.padding, self.dilation, self.groups, self.eps, self.q,
+                             power=self._p())  # one fused epilogue on CUDA
         return out if self.bias is None else out + self.bias.view(-1, 1, 1)
 
     def extra_repr(self) -> str:
