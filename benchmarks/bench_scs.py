@@ -40,25 +40,28 @@ def run(device: torch.device) -> dict:
 
 
 def compile_check(arch: int = 90) -> list[dict]:
-    """Compile the fused patch epilogue's kernels (no q and p, q and p numbers, q and p tensors; float32 and
-    bf16) for ``sm_<arch>`` on the CPU and print registers and spills.  Must run without TRITON_INTERPRET."""
+    """Compile the fused patch epilogue's kernels (:mod:`sphereml.patch_epilogue`) for ``sm_<arch>`` on the CPU,
+    each epilogue with its parameter as a tensor (q a tensor too), and the cosine without q; float32 and bf16.
+    Prints registers and spills.  Must run without TRITON_INTERPRET."""
     from sphereml import _patch_kernels as kernels
 
     from .sm90 import compile_kernel
 
+    forms = [("cosine", 0, 0)] + [(name, 2, 2) for name in ("cosine", "sharpen", "linear", "sigmoid", "sqcosine")]
     rows = []
     for name, kernel, (bc, bp, warps) in (("forward", kernels.forward_kernel, kernels.FORWARD_BLOCKS),
                                           ("backward", kernels.backward_kernel, kernels.BACKWARD_BLOCKS)):
         for dtype in ("fp32", "bf16"):
-            for mode in (0, 1, 2):
-                types = {"INNER": f"*{dtype}", "SQ": "*fp32", "Q": "*fp32", "P_EXP": "*fp32", "OUT": f"*{dtype}",
-                         "GRAD_Y": f"*{dtype}", "GRAD_INNER": f"*{dtype}", "GRAD_M": "*fp32", "GRAD_P": "*fp32",
-                         "q_value": "fp32", "p_value": "fp32", "G": "i32", "CG": "i32", "P": "i32", "C_OUT": "i32",
+            for epilogue, q_mode, param in forms:
+                types = {"INNER": f"*{dtype}", "SQ": "*fp32", "Q": "*fp32", "A": "*fp32", "OUT": f"*{dtype}",
+                         "GRAD_Y": f"*{dtype}", "GRAD_INNER": f"*{dtype}", "GRAD_M": "*fp32", "GRAD_A": "*fp32",
+                         "q_value": "fp32", "a_value": "fp32", "G": "i32", "CG": "i32", "P": "i32", "C_OUT": "i32",
                          "eps2": "fp32"}
-                constants = {"Q_MODE": mode, "POWER": mode, "BC": bc, "BP": bp}
-                row = {"kernel": name, "dtype": dtype, "mode": mode,
+                constants = {"Q_MODE": q_mode, "EPILOGUE": kernels.EPILOGUES[epilogue], "PARAM": param,
+                             "BC": bc, "BP": bp}
+                row = {"kernel": name, "dtype": dtype, "epilogue": epilogue, "q_and_param": q_mode,
                        **compile_kernel(kernel, types, constants, warps, 2, arch)}
                 rows.append(row)
-                print(f"compile sm_{arch} patch {name:8s} {dtype} q/p mode {mode}: registers {row['registers']}, "
-                      f"spill stores {row['spill_store_bytes']} B", flush=True)
+                print(f"compile sm_{arch} patch {name:8s} {dtype} {epilogue:8s} q/param mode {q_mode}: "
+                      f"registers {row['registers']}, spill stores {row['spill_store_bytes']} B", flush=True)
     return rows

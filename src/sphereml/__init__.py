@@ -9,6 +9,7 @@ One concept per module:
   fused into two passes (Triton on CUDA).
 * :mod:`~sphereml.schedules` — the lambda schedule that phases a multiplicative margin in.
 * :mod:`~sphereml.patches` — every receptive field's norm and its cosine to every kernel, by convolution.
+* :mod:`~sphereml.patch_epilogue` — the patch layers' division, g(theta) or sharpening in one kernel each way.
 * :mod:`~sphereml.sphereconv` — SphereConv2d, SphereLinear, SphereNorm and the unfold reference.
 * :mod:`~sphereml.decoupled` — decoupled operators h(||w||, ||x||) g(theta) and their unfold reference.
 * :mod:`~sphereml.decoupled_training` — weight projection, weighted gradients, pretrained initialisation.
@@ -49,7 +50,7 @@ that ``import sphereml`` in a project of one's own brings no plotting, no chapte
 import importlib
 
 from . import (angular, attacks, comhe, comhe_functional, convsim, data, decoupled, decoupled_training, distributed,
-               energy, geometry, launches, margin_ce, margins, metrics, models, opt, orthogonalizers, patches, recalibration,
+               energy, geometry, launches, margin_ce, margins, metrics, models, opt, orthogonalizers, patch_epilogue, patches, recalibration,
                regularizers, schedules, scs, sphereconv, timing, train)
 from .geometry import angle_matrix, cosine_matrix, normalize, safe_angle, sample_sphere
 from .train import evaluate, fit, resolve_device, seed_everything
@@ -61,7 +62,7 @@ BOOK_MODULES = ("book", "chapter", "conclusion", "errata", "ledger", "report", "
 __all__ = [
     "angular", "attacks", "comhe", "comhe_functional", "convsim", "data", "decoupled", "decoupled_training",
     "distributed", "energy", "geometry", "launches", "margin_ce", "margins", "metrics", "models", "opt", "orthogonalizers",
-    "patches", "recalibration", "regularizers", "schedules", "scs", "sphereconv", "timing", "train",
+    "patch_epilogue", "patches", "recalibration", "regularizers", "schedules", "scs", "sphereconv", "timing", "train",
     "normalize", "cosine_matrix", "safe_angle", "angle_matrix", "sample_sphere",
     "fit", "evaluate", "resolve_device", "seed_everything", "__version__",
 ]

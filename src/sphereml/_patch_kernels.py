@@ -2,15 +2,27 @@
 
 Layout: INNER (Tensor[B, C_out, P], P = H' W' positions, contiguous) holds w_hat . x for every kernel and
 patch; the C_out channels form G groups of CG; SQ (Tensor[B, G, P], float32) the squared patch norms of each
-group.  With m = sqrt(max(SQ, eps^2)) + q (q a number or a 0-d tensor) the epilogue is c = clamp(INNER / m, -1, 1) and, with a power
-p (``POWER`` 1: a number, 2: a tensor, one value per channel), the sharpened cosine y = sign(c) |c|^p (the SCS
-paper's Sec. 1).  All arithmetic is float32; outputs take INNER's dtype.
+group.  With m = sqrt(max(SQ, eps^2)) + q (q a number or a 0-d tensor) the cosine is
+c = clamp(INNER / m, -1, 1) and the epilogue y = f(c) is chosen by ``EPILOGUE`` (the numbers of ``EPILOGUES``):
+
+    0 cosine     y = c
+    1 sharpen    y = sign(c) |c|^a            (SCS, the paper's Sec. 1; a = p)
+    2 linear     y = 1 - 2 theta / pi         (thesis eq. 3.2; theta = arccos c)
+    3 sigmoid    y = tanh(u) / tanh(pi / 4a), u = (pi/2 - theta) / 2a   (eq. 3.4 as a tanh ratio; a = k)
+    4 sqcosine   y = c |c|                    (eq. 4.14)
+
+with the parameter a a number (``PARAM`` 1) or one value per channel (``PARAM`` 2).  The derivatives follow
+the reference nodes exactly: d|c|^a/dc = a |c|^a / max(|c|, 1e-6) (Note [sharpening without NaN] in
+:mod:`sphereml.scs`) and d theta / dc = -1 / sqrt(max(1 - c^2, 1e-10)) (Note [angle for linear and sigmoid] in
+:mod:`sphereml.angular`).  Triton has neither arccos nor tanh: theta comes from the minimax polynomial of
+Abramowitz and Stegun 4.4.46 (|error| <= 2e-8 on [0, 1], theta(-c) = pi - theta(c)) and tanh from the
+sigmoid, tanh(u) = 2 sigmoid(2u) - 1.  All arithmetic is float32; outputs take INNER's dtype.
 
 * ``forward_kernel``: program (b g, channel block, position block): one read of INNER, one write of y.
 * ``backward_kernel``: program (b g, position block) walks over the group's channels: from dL/dy it writes
   dL/dINNER = dL/dc / m (the clamp passes the gradient, as in ``_DivideByPatchNorm``), and
-  dL/dm = -sum_j dL/dc_j INNER_j / m^2 per position (Tensor[B, G, P]); with ``POWER`` 2 also the partial sums
-  over its positions of dL/dp_j = dL/dy_j y_j ln max(|c_j|, 1e-6), one row per program (no atomics).
+  dL/dm = -sum_j dL/dc_j INNER_j / m^2 per position (Tensor[B, G, P]); with ``PARAM`` 2 also the partial sums
+  over its positions of dL/da_j, one row per program (no atomics).
 """
 
 import triton
@@ -18,12 +30,15 @@ import triton.language as tl
 
 from .energy.triton_backend import interpreting
 
-__all__ = ["FORWARD_BLOCKS", "BACKWARD_BLOCKS", "forward_kernel", "backward_kernel"]
+__all__ = ["EPILOGUES", "FORWARD_BLOCKS", "BACKWARD_BLOCKS", "forward_kernel", "backward_kernel"]
+
+EPILOGUES = {"cosine": 0, "sharpen": 1, "linear": 2, "sigmoid": 3, "sqcosine": 4}
 
 # (channel block, position block, warps): small under the interpreter, Hopper-sized on a GPU.  The backward
-# keeps six tiles live: 32 x 128 spilled 276 bytes with a per-channel p on sm_90a (ptxas -v), 32 x 64 none.
+# keeps more tiles live: on sm_90a (ptxas -v) 32 x 128 with 4 warps spilled 276 bytes (sharpening), 32 x 64
+# with 4 warps 16-20 bytes (sigmoid), 32 x 64 with 8 warps none (64-112 registers).
 FORWARD_BLOCKS = (8, 16, 4) if interpreting() else (32, 128, 4)
-BACKWARD_BLOCKS = (8, 16, 4) if interpreting() else (32, 64, 4)
+BACKWARD_BLOCKS = (8, 16, 4) if interpreting() else (32, 64, 8)
 
 
 @triton.jit
@@ -39,17 +54,64 @@ def _denominator(SQ, Q, q_value, bg, pos, pmask, P, eps2, Q_MODE: tl.constexpr):
 
 
 @triton.jit
-def _exponent(P_EXP, p_value, g, ch, cmask, CG, POWER: tl.constexpr):
-    """p for each channel of the block; POWER 1: the number ``p_value``, 2: one value per channel at P_EXP."""
-    if POWER == 1:
-        return tl.zeros(ch.shape, tl.float32) + p_value
-    return tl.load(P_EXP + g * CG + ch, mask=cmask, other=1.0).to(tl.float32)
+def _parameter(A, a_value, g, ch, cmask, CG, PARAM: tl.constexpr):
+    """The epilogue's parameter for each channel of the block: the number ``a_value`` or one per channel at A."""
+    if PARAM == 2:
+        return tl.load(A + g * CG + ch, mask=cmask, other=1.0).to(tl.float32)
+    return tl.zeros(ch.shape, tl.float32) + a_value
 
 
 @triton.jit
-def forward_kernel(INNER, SQ, Q, P_EXP, OUT, q_value, p_value, G, CG, P, eps2,
-                   Q_MODE: tl.constexpr, POWER: tl.constexpr, BC: tl.constexpr, BP: tl.constexpr):
-    """y = sign(c) |c|^p (or c) with c = clamp(INNER / m, -1, 1) on one (channels, positions) tile."""
+def _arccos(c):
+    """arccos on [-1, 1]: Abramowitz and Stegun 4.4.46 on |c|, reflected for c < 0."""
+    x = tl.abs(c)
+    poly = -0.0012624911
+    poly = poly * x + 0.0066700901
+    poly = poly * x - 0.0170881256
+    poly = poly * x + 0.0308918810
+    poly = poly * x - 0.0501743046
+    poly = poly * x + 0.0889789874
+    poly = poly * x - 0.2145988016
+    poly = poly * x + 1.5707963050
+    theta = tl.sqrt(tl.maximum(1.0 - x, 0.0)) * poly
+    return tl.where(c < 0, 3.141592653589793 - theta, theta)
+
+
+@triton.jit
+def _tanh(u):
+    return 2.0 * tl.sigmoid(2.0 * u) - 1.0
+
+
+@triton.jit
+def _epilogue(c, a, EPILOGUE: tl.constexpr):
+    """(y, dy/dc, dy/da) for cosines c (BC, BP) and parameters a (BC, 1)."""
+    zero = tl.zeros(c.shape, tl.float32)
+    if EPILOGUE == 0:
+        return c, zero + 1.0, zero
+    if EPILOGUE == 4:
+        return c * tl.abs(c), 2.0 * tl.abs(c), zero
+    if EPILOGUE == 1:
+        floored = tl.maximum(tl.abs(c), 1e-6)
+        powered = tl.exp2(a * tl.log2(tl.abs(c)))  # |c|^a; 0 at c = 0 (a > 0)
+        y = tl.where(c < 0, -powered, tl.where(c > 0, powered, 0.0))
+        return y, a * powered / floored, y * tl.log(floored)
+    inverse_sine = tl.rsqrt(tl.maximum(1.0 - c * c, 1e-10))
+    theta = _arccos(c)
+    if EPILOGUE == 2:
+        return 1.0 - theta * 0.6366197723675814, inverse_sine * 0.6366197723675814, zero
+    u = (1.5707963267948966 - theta) / (2.0 * a)
+    th = _tanh(u)
+    t = _tanh(0.7853981633974483 / a)
+    sech2 = 1.0 - th * th
+    dk = -sech2 * u / (a * t) + th * (1.0 - t * t) * 0.7853981633974483 / (a * a * t * t)
+    return th / t, sech2 * inverse_sine / (2.0 * a * t), dk
+
+
+@triton.jit
+def forward_kernel(INNER, SQ, Q, A, OUT, q_value, a_value, G, CG, P, eps2,
+                   Q_MODE: tl.constexpr, EPILOGUE: tl.constexpr, PARAM: tl.constexpr,
+                   BC: tl.constexpr, BP: tl.constexpr):
+    """y = f(clamp(INNER / m, -1, 1)) on one (channels, positions) tile."""
     bg = tl.program_id(0)
     ch = tl.program_id(1) * BC + tl.arange(0, BC)
     pos = tl.program_id(2) * BP + tl.arange(0, BP)
@@ -59,17 +121,16 @@ def forward_kernel(INNER, SQ, Q, P_EXP, OUT, q_value, p_value, G, CG, P, eps2,
     mask = cmask[:, None] & pmask[None, :]
     c = tl.load(INNER + offsets, mask=mask, other=0.0).to(tl.float32) / m[None, :]
     c = tl.minimum(tl.maximum(c, -1.0), 1.0)
-    if POWER != 0:
-        p = _exponent(P_EXP, p_value, bg % G, ch, cmask, CG, POWER)
-        powered = tl.exp2(p[:, None] * tl.log2(tl.abs(c)))  # |c|^p; 0 at c = 0 (p > 0)
-        c = tl.where(c < 0, -powered, tl.where(c > 0, powered, 0.0))
-    tl.store(OUT + offsets, c.to(OUT.dtype.element_ty), mask=mask)
+    a = _parameter(A, a_value, bg % G, ch, cmask, CG, PARAM)
+    y, _, _ = _epilogue(c, a[:, None], EPILOGUE)
+    tl.store(OUT + offsets, y.to(OUT.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def backward_kernel(INNER, SQ, Q, P_EXP, GRAD_Y, GRAD_INNER, GRAD_M, GRAD_P, q_value, p_value, G, CG, P, C_OUT,
-                    eps2, Q_MODE: tl.constexpr, POWER: tl.constexpr, BC: tl.constexpr, BP: tl.constexpr):
-    """dL/dINNER on every channel of the group, dL/dm per position and dL/dp partial sums, for BP positions."""
+def backward_kernel(INNER, SQ, Q, A, GRAD_Y, GRAD_INNER, GRAD_M, GRAD_A, q_value, a_value, G, CG, P, C_OUT,
+                    eps2, Q_MODE: tl.constexpr, EPILOGUE: tl.constexpr, PARAM: tl.constexpr,
+                    BC: tl.constexpr, BP: tl.constexpr):
+    """dL/dINNER on every channel of the group, dL/dm per position and dL/da partial sums, for BP positions."""
     bg = tl.program_id(0)
     g = bg % G
     pos = tl.program_id(1) * BP + tl.arange(0, BP)
@@ -84,16 +145,13 @@ def backward_kernel(INNER, SQ, Q, P_EXP, GRAD_Y, GRAD_INNER, GRAD_M, GRAD_P, q_v
         mask = cmask[:, None] & pmask[None, :]
         inner = tl.load(INNER + offsets, mask=mask, other=0.0).to(tl.float32)
         grad = tl.load(GRAD_Y + offsets, mask=mask, other=0.0).to(tl.float32)
-        if POWER != 0:
+        if EPILOGUE != 0:
             c = tl.minimum(tl.maximum(inner / m[None, :], -1.0), 1.0)
-            p = _exponent(P_EXP, p_value, g, ch, cmask, CG, POWER)
-            floored = tl.maximum(tl.abs(c), 1e-6)
-            powered = tl.exp2(p[:, None] * tl.log2(tl.abs(c)))
-            signed = tl.where(c < 0, -powered, tl.where(c > 0, powered, 0.0))
-            grad_p = tl.sum(grad * signed * tl.log(floored), axis=1)
-            if POWER == 2:
-                tl.store(GRAD_P + partial_row + g * CG + ch, grad_p, mask=cmask)
-            grad = grad * p[:, None] * powered / floored
+            a = _parameter(A, a_value, g, ch, cmask, CG, PARAM)
+            _, dy_dc, dy_da = _epilogue(c, a[:, None], EPILOGUE)
+            if PARAM == 2:
+                tl.store(GRAD_A + partial_row + g * CG + ch, tl.sum(grad * dy_da, axis=1), mask=cmask)
+            grad = grad * dy_dc
         tl.store(GRAD_INNER + offsets, (grad / m[None, :]).to(GRAD_INNER.dtype.element_ty), mask=mask)
         acc += tl.sum(grad * inner, axis=0)
     tl.store(GRAD_M + bg.to(tl.int64) * P + pos, -acc / (m * m), mask=pmask)

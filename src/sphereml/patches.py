@@ -26,11 +26,12 @@ Note [zero patch]
 Note [fused epilogue]
     After the convolution the layer's work is elementwise: divide each inner product by its patch norm
     (+ q), clamp, and for SCS sharpen.  Eagerly that is a pass over the B x C_out x H' x W' output per
-    operation (8 forward + backward for the cosine, 17 with sharpening).  On CUDA (``backend="auto"``) one
-    Triton kernel does it all forward and one backward (:mod:`sphereml._patch_kernels`, registered as the
-    custom operators ``sphereml::patch_epilogue`` and ``patch_epilogue_backward`` so ``torch.compile``
-    traces them), reading the inner products once; the patch norms still come from the depthwise
-    convolution above.  The fused output keeps the input's dtype (bf16 stays bf16, as a convolution's);
+    operation: forward + backward, 8 such operations for the cosine, 19 for linear g, 26 for sigmoid g
+    (32 with a learned k), 17 for SCS (23 with learned p and q), against 3 for ``nn.Conv2d``.  On CUDA
+    (``backend="auto"``) one Triton kernel does it all forward and one backward, for every angular
+    activation and for the sharpening (:mod:`sphereml.patch_epilogue`): 5 in every case (the convolution,
+    its backward, the two kernels, and a loss's sum), reading the inner products once; the patch norms
+    still come from the depthwise convolution above.  Counted on the CPU by ``tests/test_patch_epilogue.py``.  The fused output keeps the input's dtype (bf16 stays bf16, as a convolution's);
     the reference path promotes half inputs to float32.  The CPU keeps the reference path.
 
 Note [patch norm without overflow]
@@ -47,13 +48,13 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ._checks import integer, real_number
-from .energy.triton_backend import usable_on
+from .angular import DECOUPLED_ANGULAR, angular_activation, check_angular
 from .geometry import max_abs_scale, safe_norm
+from .patch_epilogue import fused_epilogue, input_gradient, resolve_backend, squared_patch_norms
 
 __all__ = ["pair", "check_padding", "conv_arguments", "explicit_padding", "output_size", "patch_cosine2d",
-           "patch_norm2d", "patchwise_reference", "sharpen", "EPILOGUE_BACKENDS"]
+           "patch_norm2d", "patchwise_reference", "sharpen"]
 
-EPILOGUE_BACKENDS = ("auto", "reference", "fused")
 _GRAD_FLOOR = 1e-6  # Note [sharpening without NaN] in sphereml.scs
 
 
@@ -150,29 +151,6 @@ def patchwise_reference(x: Tensor, weight: Tensor, fn, stride=1, padding=0, dila
     return torch.cat(outs, 1).view(b, c_out, *shape)
 
 
-def _squared_patch_norms(x: Tensor, kernel_size, stride, padding, dilation, groups: int):
-    """s = conv(e, ones) with e the sum over each group's channels of x^2: (e's shape, Tensor[B, G, H', W']).
-
-    Summed in float32 (x^2 overflows float16 above 256)."""
-    b, c, h, w = x.shape
-    with torch.autocast(x.device.type, enabled=False):
-        xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
-        energy = xf.square().reshape(b, groups, c // groups, h, w).sum(2)  # (B, G, H, W)
-        ones = energy.new_ones(groups, 1, *kernel_size)
-        return energy.shape, F.conv2d(energy, ones, None, stride, padding, dilation, groups)
-
-
-def _grad_x_from_grad_m(grad_m: Tensor, x: Tensor, norm: Tensor, sq: Tensor, energy_shape, conv) -> Tensor:
-    """d/dx = 2 x conv_transpose(d/ds, ones) with d/ds = (d/dm) / 2n, zero where the floor is active."""
-    kernel_size, stride, padding, dilation, groups, eps = conv
-    grad_sq = grad_m.div_(norm).mul_(0.5).mul_(sq >= eps * eps)
-    ones = grad_sq.new_ones(groups, 1, *kernel_size)
-    grad_energy = torch.nn.grad.conv2d_input(energy_shape, ones, grad_sq, stride, padding, dilation, groups)
-    b, c, h, w = x.shape
-    grad_x = (x.reshape(b, groups, c // groups, h, w) * grad_energy.unsqueeze(2)).mul_(2.0)
-    return grad_x.reshape(b, c, h, w).to(x.dtype)
-
-
 class _DivideByPatchNorm(torch.autograd.Function):
     """cos = clamp(inner / (||x_patch|| + q), -1, 1) with the patch norm of Note [patch norm by convolution].
 
@@ -192,7 +170,7 @@ class _DivideByPatchNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, inner: Tensor, x: Tensor, q: Tensor | float | None, kernel_size, stride, padding, dilation,
                 groups: int, eps: float) -> Tensor:
-        energy_shape, sq = _squared_patch_norms(x, kernel_size, stride, padding, dilation, groups)
+        energy_shape, sq = squared_patch_norms(x, kernel_size, stride, padding, dilation, groups)
         norm = sq.clamp_min(eps * eps).sqrt_()
         denominator = norm if q is None else norm + q
         bo, co, ho, wo = inner.shape
@@ -218,120 +196,8 @@ class _DivideByPatchNorm(torch.autograd.Function):
             if ctx.has_q and ctx.needs_input_grad[2]:
                 grad_q = grad_m.sum()
             if ctx.needs_input_grad[1]:
-                grad_x = _grad_x_from_grad_m(grad_m, x, norm, sq, ctx.energy_shape, ctx.conv)
+                grad_x = input_gradient(grad_m, x, norm, sq, ctx.energy_shape, ctx.conv)
         return grad_inner, grad_x, grad_q, None, None, None, None, None, None
-
-
-def _kernels():
-    import triton
-
-    from . import _patch_kernels
-
-    return triton, _patch_kernels
-
-
-def _scalar(value: Tensor | float | None, placeholder: Tensor, default: float):
-    """(pointer, number, mode) for the kernels: mode 0 none, 1 the number, 2 the tensor."""
-    if value is None:
-        return placeholder, default, 0
-    return (placeholder, value, 1) if isinstance(value, float) else (value, default, 2)
-
-
-@torch.library.custom_op("sphereml::patch_epilogue", mutates_args=())
-def _epilogue_forward(inner: Tensor, sq: Tensor, q: Tensor | None, q_value: float | None, p: Tensor | None,
-                      p_value: float | None, groups: int, eps: float) -> Tensor:
-    """y = sign(c) abs(c)^p (or c), c = clamp(inner / (sqrt(max(sq, eps^2)) + q), -1, 1): one kernel."""
-    triton, kernels = _kernels()
-    bc, bp, warps = kernels.FORWARD_BLOCKS
-    (b, co, ho, wo), placeholder = inner.shape, sq.new_empty(1)
-    q_ptr, q_num, q_mode = _scalar(q if q is not None else q_value, placeholder, 0.0)
-    p_ptr, p_num, p_mode = _scalar(p if p is not None else p_value, placeholder, 1.0)
-    inner, out = inner.contiguous(), torch.empty(inner.shape, dtype=inner.dtype, device=inner.device)
-    grid = (b * groups, triton.cdiv(co // groups, bc), triton.cdiv(ho * wo, bp))
-    kernels.forward_kernel[grid](inner, sq, q_ptr, p_ptr, out, q_num, p_num, groups, co // groups, ho * wo, eps * eps,
-                                 Q_MODE=q_mode, POWER=p_mode, BC=bc, BP=bp, num_warps=warps)
-    return out
-
-
-@_epilogue_forward.register_fake
-def _(inner, sq, q, q_value, p, p_value, groups, eps):
-    return inner.new_empty(inner.shape)
-
-
-@torch.library.custom_op("sphereml::patch_epilogue_backward", mutates_args=())
-def _epilogue_backward(grad: Tensor, inner: Tensor, sq: Tensor, q: Tensor | None, q_value: float | None,
-                       p: Tensor | None, p_value: float | None, groups: int,
-                       eps: float) -> tuple[Tensor, Tensor, Tensor]:
-    """(dL/dinner, dL/dm: Tensor[B, G, H', W'], dL/dp: Tensor[C_out], empty without a tensor p): one kernel."""
-    triton, kernels = _kernels()
-    bc, bp, warps = kernels.BACKWARD_BLOCKS
-    (b, co, ho, wo), placeholder = inner.shape, sq.new_empty(1)
-    q_ptr, q_num, q_mode = _scalar(q if q is not None else q_value, placeholder, 0.0)
-    p_ptr, p_num, p_mode = _scalar(p if p is not None else p_value, placeholder, 1.0)
-    blocks = triton.cdiv(ho * wo, bp)
-    inner, grad_inner, grad_m = inner.contiguous(), torch.empty_like(inner, memory_format=torch.contiguous_format), \
-        torch.empty_like(sq)
-    partial = torch.zeros(b * groups * blocks if p is not None else 1, co, device=sq.device)
-    kernels.backward_kernel[(b * groups, blocks)](
-        inner, sq, q_ptr, p_ptr, grad.contiguous(), grad_inner, grad_m, partial, q_num, p_num, groups, co // groups,
-        ho * wo, co, eps * eps, Q_MODE=q_mode, POWER=p_mode, BC=bc, BP=bp, num_warps=warps)
-    return grad_inner, grad_m, partial.sum(0) if p is not None else partial.new_empty(0)
-
-
-@_epilogue_backward.register_fake
-def _(grad, inner, sq, q, q_value, p, p_value, groups, eps):
-    return inner.new_empty(inner.shape), sq.new_empty(sq.shape), sq.new_empty(inner.shape[1] if p is not None else 0)
-
-
-def _split(value: Tensor | float | None) -> tuple[Tensor | None, float | None]:
-    return (value, None) if isinstance(value, Tensor) else (None, value)
-
-
-class _FusedEpilogue(torch.autograd.Function):
-    """:class:`_DivideByPatchNorm` and, with p, :func:`sharpen` in one Triton kernel each way.
-
-    The squared patch norms s come from the same depthwise convolution; then one kernel reads the
-    inner products once and writes y = sign(c) abs(c)^p (or c), and the backward kernel reads the
-    inner products and dL/dy once and writes dL/dinner, dL/dm per position and the dL/dp partial sums
-    (:mod:`sphereml._patch_kernels`).  p: a number or one value per channel (Tensor[C_out]).
-    """
-
-    @staticmethod
-    def forward(ctx, inner, x, q, p, kernel_size, stride, padding, dilation, groups, eps):
-        energy_shape, sq = _squared_patch_norms(x, kernel_size, stride, padding, dilation, groups)
-        sq = sq.contiguous()
-        ctx.save_for_backward(inner, x, sq, q if isinstance(q, Tensor) else None, p if isinstance(p, Tensor) else None)
-        ctx.numbers = (q if not isinstance(q, Tensor) else None, p if not isinstance(p, Tensor) else None)
-        ctx.conv, ctx.energy_shape = (kernel_size, stride, padding, dilation, groups, eps), energy_shape
-        return torch.ops.sphereml.patch_epilogue(inner, sq, *_split(q), *_split(p), groups, eps)
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad):
-        inner, x, sq, q_tensor, p_tensor = ctx.saved_tensors
-        q = q_tensor if q_tensor is not None else ctx.numbers[0]
-        p = p_tensor if p_tensor is not None else ctx.numbers[1]
-        groups, eps = ctx.conv[4], ctx.conv[5]
-        grad_inner, grad_m, grad_p = torch.ops.sphereml.patch_epilogue_backward(grad, inner, sq, *_split(q), *_split(p),
-                                                                                 groups, eps)
-        grad_q = grad_m.sum().to(q.dtype) if q_tensor is not None and ctx.needs_input_grad[2] else None
-        grad_p = grad_p.to(p.dtype) if p_tensor is not None and ctx.needs_input_grad[3] else None
-        grad_x = None
-        if ctx.needs_input_grad[1]:
-            norm = sq.clamp_min(eps * eps).sqrt_()
-            grad_x = _grad_x_from_grad_m(grad_m, x, norm, sq, ctx.energy_shape, ctx.conv)
-        return grad_inner, grad_x, grad_q, grad_p, None, None, None, None, None, None
-
-
-def _epilogue_backend(backend: str, x: Tensor) -> str:
-    if backend not in EPILOGUE_BACKENDS:
-        raise ValueError(f"backend must be one of {EPILOGUE_BACKENDS}, got {backend!r}")
-    fusable = usable_on(x) and x.dtype != torch.float64
-    if backend == "auto":
-        return "fused" if fusable and x.is_cuda else "reference"
-    if backend == "fused" and not fusable:
-        raise ValueError("backend='fused' needs Triton and float32 or half CUDA tensors (on the CPU, TRITON_INTERPRET=1)")
-    return backend
 
 
 class _Sharpen(torch.autograd.Function):
@@ -402,13 +268,15 @@ class _UnitKernels(torch.autograd.Function):
 
 
 def patch_cosine2d(x: Tensor, weight: Tensor, stride=1, padding=0, dilation=1, groups: int = 1, eps: float = 1e-6,
-                   q: float | Tensor | None = None, power: float | Tensor | None = None,
-                   backend: str = "auto") -> Tensor:
-    """w . x / (||w|| (||x|| + q)) between every kernel w and every receptive-field patch x, optionally sharpened.
+                   q: float | Tensor | None = None, angular: str = "cosine", k: float | Tensor = 0.5,
+                   power: float | Tensor | None = None, backend: str = "auto") -> Tensor:
+    """w . x / (||w|| (||x|| + q)) between every kernel w and every receptive-field patch x, and its epilogue.
 
     With ``q`` None (or 0) this is cos(theta) (thesis eq. 3.1); a q > 0 damps weak patches, as the
     denominator of sharpened cosine similarity does.  ||x|| is floored at ``eps`` (Note [zero patch]).
-    With ``power`` p the result is :func:`sharpen`'s sign(c) abs(c)^p (SCS, the paper's Sec. 1).
+    The result c is returned as it is, or as an angular activation g (``angular``, with curvature ``k``
+    for sigmoid: :func:`~sphereml.angular.angular_activation`), or sharpened (``power`` p: :func:`sharpen`),
+    which on CUDA all run in one fused kernel each way (Note [fused epilogue]).
 
     Args:
         x (Tensor[B, C_in, H, W]): input.
@@ -418,14 +286,20 @@ def patch_cosine2d(x: Tensor, weight: Tensor, stride=1, padding=0, dilation=1, g
         eps (float): patch-norm floor. Default: 1e-6.
         q (float or 0-dim Tensor, optional): offset added to the patch norm (a tensor gets a gradient; a number
             is never copied to the device).
-        power (float, or a Tensor of 1 or C_out values, e.g. Tensor[C_out, 1, 1], optional): sharpening
-            exponent p > 0 (a tensor gets a gradient).
-        backend (str): ``"auto"`` (fused on CUDA), ``"reference"`` (:class:`_DivideByPatchNorm` then
-            :func:`sharpen`) or ``"fused"`` (one Triton kernel each way; float32 or half). Default: ``"auto"``.
+        angular (str): ``"cosine"`` (c itself), ``"linear"``, ``"sigmoid"`` or ``"sqcosine"``. Default: cosine.
+        k (float, or a Tensor of 1 or C_out values such as Tensor[C_out, 1, 1]): sigmoid curvature. Default: 0.5.
+        power (float, or a Tensor of 1 or C_out values, optional): sharpening exponent p > 0 (cosine only).
+        backend (str): ``"auto"`` (fused on CUDA), ``"reference"`` or ``"fused"`` (Triton; float32 or
+            half). Default: ``"auto"``.
 
     Returns:
         Tensor[B, C_out, H', W'] in [-1, 1].
     """
+    angular = check_angular(angular, DECOUPLED_ANGULAR)
+    if power is not None and angular != "cosine":
+        raise ValueError(f"power sharpens the cosine: it needs angular='cosine', got {angular!r}")
+    if power is not None and not isinstance(power, Tensor):
+        power = real_number("power", power, above=0.0)
     kernel_size = tuple(weight.shape[2:])
     stride, dilation = pair(stride, "stride", 1), pair(dilation, "dilation", 1)
     x, padding = explicit_padding(x, padding, kernel_size, stride, dilation)
@@ -433,11 +307,11 @@ def patch_cosine2d(x: Tensor, weight: Tensor, stride=1, padding=0, dilation=1, g
     inner = F.conv2d(x, w_hat, None, stride, padding, dilation, groups)  # (B, C_out, H', W')
     if q is not None and not isinstance(q, Tensor):
         q = None if q == 0 else float(q)  # a number stays on the host: no copy to the device per call
-    if power is not None and not isinstance(power, Tensor):
-        power = real_number("power", power, above=0.0)
     conv = (kernel_size, stride, padding, dilation, groups, eps)
-    if _epilogue_backend(backend, x) == "fused":
-        per_channel = power.reshape(-1).expand(weight.shape[0]).contiguous() if isinstance(power, Tensor) else power
-        return _FusedEpilogue.apply(inner, x, q, per_channel, *conv)
+    if resolve_backend(backend, x) == "fused":
+        epilogue, param = ("sharpen", power) if power is not None else (angular, k)
+        return fused_epilogue(inner, x, q, epilogue, param, conv)
     cos = _DivideByPatchNorm.apply(inner, x, q, *conv)
-    return cos if power is None else sharpen(cos, power)
+    if power is not None:
+        return sharpen(cos, power)
+    return angular_activation(cos, angular, k)

@@ -72,8 +72,8 @@ def sphere_conv2d(x: Tensor, weight: Tensor, bias: Tensor | None = None, stride=
     Returns:
         Tensor[B, C_out, H', W']; in [-1, 1] without bias.
     """
-    cos = sphere_cosine2d(x, weight, stride, padding, dilation, groups, eps)
-    return _add_bias(angular_activation(cos, angular, k), bias, 2)
+    out = patch_cosine2d(x, weight, stride, padding, dilation, groups, eps, angular=check_angular(angular), k=k)
+    return _add_bias(out, bias, 2)
 
 
 def _printed_angular(cos: Tensor, angular: str, k: float) -> Tensor:
@@ -207,18 +207,22 @@ class SphereConv2d(_SphereMixin, nn.Conv2d):
                          padding_mode, **factory)
         self._init_angular(out_channels, angular, k, learnable_k, eps, factory)
 
-    def cosine(self, x: Tensor) -> Tensor:
-        """cos(theta) of every kernel and patch, Tensor[B, C_out, H', W'] (before g and bias)."""
+    def _padded(self, x: Tensor) -> tuple[Tensor, object]:
         if x.dim() != 4 or x.shape[1] != self.in_channels:
             raise ValueError(f"input must be Tensor[B, {self.in_channels}, H, W], got shape {tuple(x.shape)}")
-        padding = self.padding
         if self.padding_mode != "zeros":  # pad once, so both convolutions see the same patches
-            x = F.pad(x, self._reversed_padding_repeated_twice, mode=self.padding_mode)
-            padding = 0
+            return F.pad(x, self._reversed_padding_repeated_twice, mode=self.padding_mode), 0
+        return x, self.padding
+
+    def cosine(self, x: Tensor) -> Tensor:
+        """cos(theta) of every kernel and patch, Tensor[B, C_out, H', W'] (before g and bias)."""
+        x, padding = self._padded(x)
         return sphere_cosine2d(x, self.weight, self.stride, padding, self.dilation, self.groups, self.eps)
 
     def forward(self, x: Tensor) -> Tensor:
-        out = angular_activation(self.cosine(x), self.angular, self._k(2))
+        x, padding = self._padded(x)
+        out = patch_cosine2d(x, self.weight, self.stride, padding, self.dilation, self.groups, self.eps,
+                             angular=self.angular, k=self._k(2))  # g(theta) in the fused epilogue on CUDA
         return _add_bias(out, self.bias, 2)
 
     def extra_repr(self) -> str:

@@ -1,0 +1,170 @@
+"""The patch layers' epilogue fused into one kernel each way: patch-norm division, clamp, g(theta) or sharpening.
+
+After its convolution a patch layer (:mod:`~sphereml.patches`: SphereConv, SCS) only works elementwise on
+the B x C_out x H' x W' inner products: divide each by its patch norm (+ q), clamp to [-1, 1], and apply the
+layer's function of the cosine (an angular activation of :mod:`~sphereml.angular`, or the SCS sharpening).
+Here the squared patch norms come from one depthwise convolution (:func:`squared_patch_norms`, Note [patch
+norm by convolution] in :mod:`~sphereml.patches`), and then one Triton kernel reads the inner products once
+and writes the output, and one backward kernel reads them and dL/dy once and writes dL/d(inner products),
+dL/dm per position (m the divided norm; the rest of dL/dx is :func:`input_gradient`) and the partial sums of
+dL/d(parameter) (:mod:`sphereml._patch_kernels`, with the formulas).  The kernels are the custom operators
+``sphereml::patch_epilogue`` and ``sphereml::patch_epilogue_backward``, so ``torch.compile`` traces the layer
+with ``fullgraph=True``.  They run on CUDA tensors, and on CPU tensors under ``TRITON_INTERPRET=1`` (the
+tests); the reference nodes of :mod:`~sphereml.patches` and :mod:`~sphereml.angular` are the oracle.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .energy.triton_backend import triton_importable, usable_on
+
+__all__ = ["BACKENDS", "EPILOGUES", "resolve_backend", "squared_patch_norms", "input_gradient", "fused_epilogue"]
+
+BACKENDS = ("auto", "reference", "fused")
+EPILOGUES = ("cosine", "sharpen", "linear", "sigmoid", "sqcosine")  # the kernels' EPILOGUE numbers, in order
+
+
+def resolve_backend(backend: str, x: Tensor) -> str:
+    """``"reference"`` or ``"fused"``: ``"auto"`` fuses float32 and half CUDA tensors when Triton is installed."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    fusable = x.dtype != torch.float64 and usable_on(x)
+    if backend == "auto":
+        return "fused" if fusable and x.is_cuda and triton_importable() else "reference"
+    if backend == "fused" and not fusable:
+        raise ValueError("backend='fused' needs Triton and float32 or half CUDA tensors (on the CPU, "
+                         "TRITON_INTERPRET=1)")
+    return backend
+
+
+def squared_patch_norms(x: Tensor, kernel_size, stride, padding, dilation, groups: int):
+    """s = conv(e, ones) with e the sum over each group's channels of x^2: (e's shape, Tensor[B, G, H', W']).
+
+    Summed in float32 (x^2 overflows float16 above 256)."""
+    b, c, h, w = x.shape
+    with torch.autocast(x.device.type, enabled=False):
+        xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+        energy = xf.square().reshape(b, groups, c // groups, h, w).sum(2)  # (B, G, H, W)
+        ones = energy.new_ones(groups, 1, *kernel_size)
+        return energy.shape, F.conv2d(energy, ones, None, stride, padding, dilation, groups)
+
+
+def input_gradient(grad_m: Tensor, x: Tensor, norm: Tensor, sq: Tensor, energy_shape, conv) -> Tensor:
+    """dL/dx through the patch norms: 2 x conv_transpose(d/ds, ones) with d/ds = (dL/dm) / 2n, zero where the
+    norm floor is active.  ``conv``: (kernel_size, stride, padding, dilation, groups, eps)."""
+    kernel_size, stride, padding, dilation, groups, eps = conv
+    grad_sq = grad_m.div_(norm).mul_(0.5).mul_(sq >= eps * eps)
+    ones = grad_sq.new_ones(groups, 1, *kernel_size)
+    grad_energy = torch.nn.grad.conv2d_input(energy_shape, ones, grad_sq, stride, padding, dilation, groups)
+    b, c, h, w = x.shape
+    grad_x = (x.reshape(b, groups, c // groups, h, w) * grad_energy.unsqueeze(2)).mul_(2.0)
+    return grad_x.reshape(b, c, h, w).to(x.dtype)
+
+
+def _slot(tensor: Tensor | None, number: float | None, placeholder: Tensor, default: float):
+    """(pointer, number, mode) of a kernel argument: mode 0 absent, 1 a number, 2 a tensor."""
+    if tensor is not None:
+        return tensor, default, 2
+    return (placeholder, default, 0) if number is None else (placeholder, number, 1)
+
+
+def _launch(kind: str, inner: Tensor, sq: Tensor, q, q_value, a, a_value, epilogue: int, groups: int, eps: float,
+            grad: Tensor | None = None):
+    import triton
+
+    from . import _patch_kernels as kernels
+
+    (b, co, ho, wo), placeholder = inner.shape, sq.new_empty(1)
+    q_slot, a_slot = _slot(q, q_value, placeholder, 0.0), _slot(a, a_value, placeholder, 1.0)
+    modes = {"Q_MODE": q_slot[2], "EPILOGUE": epilogue, "PARAM": a_slot[2]}
+    sizes, inner = (groups, co // groups, ho * wo), inner.contiguous()
+    if kind == "forward":
+        bc, bp, warps = kernels.FORWARD_BLOCKS
+        out = torch.empty(inner.shape, dtype=inner.dtype, device=inner.device)
+        grid = (b * groups, triton.cdiv(co // groups, bc), triton.cdiv(ho * wo, bp))
+        kernels.forward_kernel[grid](inner, sq, q_slot[0], a_slot[0], out, q_slot[1], a_slot[1], *sizes, eps * eps,
+                                     **modes, BC=bc, BP=bp, num_warps=warps)
+        return out
+    bc, bp, warps = kernels.BACKWARD_BLOCKS
+    blocks = triton.cdiv(ho * wo, bp)
+    grad_inner, grad_m = torch.empty(inner.shape, dtype=inner.dtype, device=inner.device), torch.empty_like(sq)
+    partial = torch.zeros(b * groups * blocks if a is not None else 1, co, device=sq.device)
+    kernels.backward_kernel[(b * groups, blocks)](
+        inner, sq, q_slot[0], a_slot[0], grad.contiguous(), grad_inner, grad_m, partial, q_slot[1], a_slot[1], *sizes,
+        co, eps * eps, **modes, BC=bc, BP=bp, num_warps=warps)
+    return grad_inner, grad_m, partial.sum(0) if a is not None else partial.new_empty(0)
+
+
+@torch.library.custom_op("sphereml::patch_epilogue", mutates_args=())
+def _forward_op(inner: Tensor, sq: Tensor, q: Tensor | None, q_value: float | None, a: Tensor | None,
+                a_value: float | None, epilogue: int, groups: int, eps: float) -> Tensor:
+    """y = f(clamp(inner / (sqrt(max(sq, eps^2)) + q), -1, 1)), f the epilogue with parameter a: one kernel."""
+    return _launch("forward", inner, sq, q, q_value, a, a_value, epilogue, groups, eps)
+
+
+@_forward_op.register_fake
+def _(inner, sq, q, q_value, a, a_value, epilogue, groups, eps):
+    return inner.new_empty(inner.shape)
+
+
+@torch.library.custom_op("sphereml::patch_epilogue_backward", mutates_args=())
+def _backward_op(grad: Tensor, inner: Tensor, sq: Tensor, q: Tensor | None, q_value: float | None, a: Tensor | None,
+                 a_value: float | None, epilogue: int, groups: int, eps: float) -> tuple[Tensor, Tensor, Tensor]:
+    """(dL/dinner, dL/dm: Tensor[B, G, H', W'], dL/da: Tensor[C_out], empty without a tensor a): one kernel."""
+    return _launch("backward", inner, sq, q, q_value, a, a_value, epilogue, groups, eps, grad)
+
+
+@_backward_op.register_fake
+def _(grad, inner, sq, q, q_value, a, a_value, epilogue, groups, eps):
+    return inner.new_empty(inner.shape), sq.new_empty(sq.shape), sq.new_empty(inner.shape[1] if a is not None else 0)
+
+
+def _split(value: Tensor | float | None) -> tuple[Tensor | None, float | None]:
+    return (value, None) if isinstance(value, Tensor) else (None, None if value is None else float(value))
+
+
+class _FusedEpilogue(torch.autograd.Function):
+    """y = f(c) from the inner products and x, with the two kernels above; a: None, a number or Tensor[C_out]."""
+
+    @staticmethod
+    def forward(ctx, inner, x, q, a, epilogue, kernel_size, stride, padding, dilation, groups, eps):
+        energy_shape, sq = squared_patch_norms(x, kernel_size, stride, padding, dilation, groups)
+        sq = sq.contiguous()
+        ctx.save_for_backward(inner, x, sq, *(_split(v)[0] for v in (q, a)))
+        ctx.numbers = (_split(q)[1], _split(a)[1])
+        ctx.epilogue, ctx.energy_shape = epilogue, energy_shape
+        ctx.conv = (kernel_size, stride, padding, dilation, groups, eps)
+        return torch.ops.sphereml.patch_epilogue(inner, sq, *_split(q), *_split(a), epilogue, groups, eps)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        inner, x, sq, q, a = ctx.saved_tensors
+        groups, eps = ctx.conv[4], ctx.conv[5]
+        grad_inner, grad_m, grad_a = torch.ops.sphereml.patch_epilogue_backward(
+            grad, inner, sq, q, ctx.numbers[0], a, ctx.numbers[1], ctx.epilogue, groups, eps)
+        grad_q = grad_m.sum().to(q.dtype) if q is not None and ctx.needs_input_grad[2] else None
+        grad_a = grad_a.to(a.dtype) if a is not None and ctx.needs_input_grad[3] else None
+        grad_x = None
+        if ctx.needs_input_grad[1]:
+            grad_x = input_gradient(grad_m, x, sq.clamp_min(eps * eps).sqrt(), sq, ctx.energy_shape, ctx.conv)
+        return grad_inner, grad_x, grad_q, grad_a, None, None, None, None, None, None, None
+
+
+def fused_epilogue(inner: Tensor, x: Tensor, q: Tensor | float | None, epilogue: str, param, conv) -> Tensor:
+    """The epilogue of a patch layer on its inner products ``inner`` (Tensor[B, C_out, H', W']) of input ``x``.
+
+    Args:
+        q (float or 0-d Tensor, optional): added to the patch norm.
+        epilogue (str): one of :data:`EPILOGUES`.
+        param: p for ``"sharpen"``, k for ``"sigmoid"`` (a number or a Tensor of 1 or C_out values), else unused.
+        conv: (kernel_size, stride, padding, dilation, groups, eps) of the layer, padding as numbers.
+    """
+    if epilogue not in ("sharpen", "sigmoid"):
+        param = None
+    elif isinstance(param, Tensor):
+        param = param.reshape(-1).expand(inner.shape[1]).contiguous()  # one value per channel
+    return _FusedEpilogue.apply(inner, x, q, param, EPILOGUES.index(epilogue), *conv)
