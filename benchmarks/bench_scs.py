@@ -46,13 +46,14 @@ def run(device: torch.device) -> dict:
 
 def compile_check(arch: int = 90) -> list[dict]:
     """Compile the fused patch epilogue's kernels (:mod:`sphereml.patch_epilogue`) for ``sm_<arch>`` on the CPU,
-    each epilogue with its parameter as a tensor (q a tensor too), and the cosine without q; float32 and bf16.
+    in the forms the layers use (q and the parameter absent, a number or a tensor); float32 and bf16.
     Prints registers and spills.  Must run without TRITON_INTERPRET."""
     from sphereml import _patch_kernels as kernels
 
     from .sm90 import compile_kernel
 
-    forms = [("cosine", 0, 0)] + [(name, 2, 2) for name in ("cosine", "sharpen", "linear", "sigmoid", "sqcosine")]
+    forms = [("cosine", 0, 0), ("cosine", 2, 0), ("sharpen", 1, 1), ("sharpen", 2, 2), ("linear", 0, 0),
+             ("sigmoid", 0, 1), ("sigmoid", 0, 2), ("sqcosine", 0, 0)]  # (epilogue, Q_MODE, PARAM) as layers use them
     rows = []
     for name, kernel, (bc, bp, warps) in (("forward", kernels.forward_kernel, kernels.FORWARD_BLOCKS),
                                           ("backward", kernels.backward_kernel, kernels.BACKWARD_BLOCKS)):
@@ -64,9 +65,9 @@ def compile_check(arch: int = 90) -> list[dict]:
                          "eps2": "fp32"}
                 constants = {"Q_MODE": q_mode, "EPILOGUE": kernels.EPILOGUES[epilogue], "PARAM": param,
                              "BC": bc, "BP": bp}
-                row = {"kernel": name, "dtype": dtype, "epilogue": epilogue, "q_and_param": q_mode,
+                row = {"kernel": name, "dtype": dtype, "epilogue": epilogue, "q_mode": q_mode, "param": param,
                        **compile_kernel(kernel, types, constants, warps, 2, arch)}
                 rows.append(row)
-                print(f"compile sm_{arch} patch {name:8s} {dtype} {epilogue:8s} q/param mode {q_mode}: "
+                print(f"compile sm_{arch} patch {name:8s} {dtype} {epilogue:8s} q {q_mode} param {param}: "
                       f"registers {row['registers']}, spill stores {row['spill_store_bytes']} B", flush=True)
     return rows

@@ -15,14 +15,15 @@ with the parameter a a number (``PARAM`` 1) or one value per channel (``PARAM`` 
 the reference nodes exactly: d|c|^a/dc = a |c|^a / max(|c|, 1e-6) (Note [sharpening without NaN] in
 :mod:`sphereml.scs`) and d theta / dc = -1 / sqrt(max(1 - c^2, 1e-10)) (Note [angle for linear and sigmoid] in
 :mod:`sphereml.angular`).  Triton has neither arccos nor tanh: theta comes from the minimax polynomial of
-Abramowitz and Stegun 4.4.46 (|error| <= 2e-8 on [0, 1], theta(-c) = pi - theta(c)) and tanh from the
-sigmoid, tanh(u) = 2 sigmoid(2u) - 1.  All arithmetic is float32; outputs take INNER's dtype.
+Abramowitz and Stegun 4.4.46 (|error| <= 2e-8 on [0, 1], theta(-c) = pi - theta(c)) and tanh from its
+series near 0 and exponentials elsewhere (``_tanh_sech2``).  NaN inputs stay NaN.  All arithmetic is float32; outputs take INNER's dtype.
 
-* ``forward_kernel``: program (b g, channel block, position block): one read of INNER, one write of y.
-* ``backward_kernel``: program (b g, position block) walks over the group's channels: from dL/dy it writes
+* ``forward_kernel``: program (b g, channel block, position block), flattened into a 1-D grid: one read of
+  INNER, one write of y.
+* ``backward_kernel``: program (b g, position block), also a 1-D grid, walks over the group's channels: from dL/dy it writes
   dL/dINNER = dL/dc / m (the clamp passes the gradient, as in ``_DivideByPatchNorm``), and
   dL/dm = -sum_j dL/dc_j INNER_j / m^2 per position (Tensor[B, G, P]); with ``PARAM`` 2 also the partial sums
-  over its positions of dL/da_j, one row per program (no atomics).
+  over its positions of dL/da_j, one row per sample and position block (no atomics).
 """
 
 import triton
@@ -45,7 +46,7 @@ BACKWARD_BLOCKS = (8, 16, 4) if interpreting() else (32, 64, 8)
 def _denominator(SQ, Q, q_value, bg, pos, pmask, P, eps2, Q_MODE: tl.constexpr):
     """m = sqrt(max(SQ, eps^2)) + q; Q_MODE 0: no q, 1: the number ``q_value``, 2: the 0-d tensor at Q."""
     sq = tl.load(SQ + bg.to(tl.int64) * P + pos, mask=pmask, other=1.0)
-    m = tl.sqrt(tl.maximum(sq, eps2))
+    m = tl.sqrt(tl.maximum(sq, eps2, propagate_nan=tl.PropagateNan.ALL))
     if Q_MODE == 1:
         m = m + q_value
     elif Q_MODE == 2:
@@ -78,8 +79,18 @@ def _arccos(c):
 
 
 @triton.jit
-def _tanh(u):
-    return 2.0 * tl.sigmoid(2.0 * u) - 1.0
+def _tanh_sech2(u):
+    """tanh(u) and sech^2(u) with small relative errors everywhere (a small k makes |u| large and sech^2 tiny,
+    a large k makes u and tanh(pi / 4k) small): below |u| = 0.1 the odd series of tanh to u^7 (truncation
+    2e-10 relative) and 1 - tanh^2; above, with e = exp(-2|u|), (1 - e) / (1 + e) and 4e / (1 + e)^2."""
+    a = tl.abs(u)
+    e = tl.exp(-2.0 * a)
+    u2 = u * u
+    series = a * (1.0 + u2 * (-0.3333333333333333 + u2 * (0.13333333333333333 - u2 * 0.05396825396825397)))
+    small = a < 0.1
+    th = tl.where(small, series, (1.0 - e) / (1.0 + e))
+    sech2 = tl.where(small, 1.0 - series * series, 4.0 * e / ((1.0 + e) * (1.0 + e)))
+    return tl.where(u < 0, -th, th), sech2
 
 
 @triton.jit
@@ -91,36 +102,42 @@ def _epilogue(c, a, EPILOGUE: tl.constexpr):
     if EPILOGUE == 4:
         return c * tl.abs(c), 2.0 * tl.abs(c), zero
     if EPILOGUE == 1:
-        floored = tl.maximum(tl.abs(c), 1e-6)
-        powered = tl.exp2(a * tl.log2(tl.abs(c)))  # |c|^a; 0 at c = 0 (a > 0)
-        y = tl.where(c < 0, -powered, tl.where(c > 0, powered, 0.0))
+        floored = tl.maximum(tl.abs(c), 1e-6, propagate_nan=tl.PropagateNan.ALL)
+        powered = tl.exp2(a * tl.log2(tl.abs(c)))  # |c|^a; 0 at c = 0 (a > 0), NaN for NaN
+        y = tl.where(c < 0, -powered, powered)
         return y, a * powered / floored, y * tl.log(floored)
-    inverse_sine = tl.rsqrt(tl.maximum(1.0 - c * c, 1e-10))
+    inverse_sine = tl.rsqrt(tl.maximum(1.0 - c * c, 1e-10, propagate_nan=tl.PropagateNan.ALL))
     theta = _arccos(c)
     if EPILOGUE == 2:
         return 1.0 - theta * 0.6366197723675814, inverse_sine * 0.6366197723675814, zero
     u = (1.5707963267948966 - theta) / (2.0 * a)
-    th = _tanh(u)
-    t = _tanh(0.7853981633974483 / a)
-    sech2 = 1.0 - th * th
+    th, sech2 = _tanh_sech2(u)
+    t, _ = _tanh_sech2(0.7853981633974483 / a)
     dk = -sech2 * u / (a * t) + th * (1.0 - t * t) * 0.7853981633974483 / (a * a * t * t)
     return th / t, sech2 * inverse_sine / (2.0 * a * t), dk
+
+
+@triton.jit
+def _clamp(c):
+    """clamp to [-1, 1], NaN kept (tl.minimum / tl.maximum drop it by default)."""
+    return tl.minimum(tl.maximum(c, -1.0, propagate_nan=tl.PropagateNan.ALL), 1.0, propagate_nan=tl.PropagateNan.ALL)
 
 
 @triton.jit
 def forward_kernel(INNER, SQ, Q, A, OUT, q_value, a_value, G, CG, P, eps2,
                    Q_MODE: tl.constexpr, EPILOGUE: tl.constexpr, PARAM: tl.constexpr,
                    BC: tl.constexpr, BP: tl.constexpr):
-    """y = f(clamp(INNER / m, -1, 1)) on one (channels, positions) tile."""
-    bg = tl.program_id(0)
-    ch = tl.program_id(1) * BC + tl.arange(0, BC)
-    pos = tl.program_id(2) * BP + tl.arange(0, BP)
+    """y = f(clamp(INNER / m, -1, 1)) on one (channels, positions) tile; a 1-D grid (no 65,535 limit)."""
+    channel_blocks, position_blocks = tl.cdiv(CG, BC), tl.cdiv(P, BP)
+    pid = tl.program_id(0)
+    bg = pid // (channel_blocks * position_blocks)
+    ch = (pid // position_blocks) % channel_blocks * BC + tl.arange(0, BC)
+    pos = pid % position_blocks * BP + tl.arange(0, BP)
     cmask, pmask = ch < CG, pos < P
     m = _denominator(SQ, Q, q_value, bg, pos, pmask, P, eps2, Q_MODE)
     offsets = (bg.to(tl.int64) * CG + ch[:, None]) * P + pos[None, :]
     mask = cmask[:, None] & pmask[None, :]
-    c = tl.load(INNER + offsets, mask=mask, other=0.0).to(tl.float32) / m[None, :]
-    c = tl.minimum(tl.maximum(c, -1.0), 1.0)
+    c = _clamp(tl.load(INNER + offsets, mask=mask, other=0.0).to(tl.float32) / m[None, :])
     a = _parameter(A, a_value, bg % G, ch, cmask, CG, PARAM)
     y, _, _ = _epilogue(c, a[:, None], EPILOGUE)
     tl.store(OUT + offsets, y.to(OUT.dtype.element_ty), mask=mask)
@@ -130,14 +147,19 @@ def forward_kernel(INNER, SQ, Q, A, OUT, q_value, a_value, G, CG, P, eps2,
 def backward_kernel(INNER, SQ, Q, A, GRAD_Y, GRAD_INNER, GRAD_M, GRAD_A, q_value, a_value, G, CG, P, C_OUT,
                     eps2, Q_MODE: tl.constexpr, EPILOGUE: tl.constexpr, PARAM: tl.constexpr,
                     BC: tl.constexpr, BP: tl.constexpr):
-    """dL/dINNER on every channel of the group, dL/dm per position and dL/da partial sums, for BP positions."""
-    bg = tl.program_id(0)
+    """dL/dINNER on every channel of the group, dL/dm per position and dL/da partial sums, for BP positions.
+
+    A 1-D grid over (b g, position block); the dL/da partial sums of sample b and position block go to row
+    b * blocks + block (the groups write disjoint columns of it)."""
+    position_blocks = tl.cdiv(P, BP)
+    pid = tl.program_id(0)
+    bg, block = pid // position_blocks, pid % position_blocks
     g = bg % G
-    pos = tl.program_id(1) * BP + tl.arange(0, BP)
+    pos = block * BP + tl.arange(0, BP)
     pmask = pos < P
     m = _denominator(SQ, Q, q_value, bg, pos, pmask, P, eps2, Q_MODE)
     acc = tl.zeros((BP,), tl.float32)
-    partial_row = (tl.program_id(0).to(tl.int64) * tl.num_programs(1) + tl.program_id(1)) * C_OUT
+    partial_row = ((bg // G).to(tl.int64) * position_blocks + block) * C_OUT
     for c0 in range(0, CG, BC):
         ch = c0 + tl.arange(0, BC)
         cmask = ch < CG
@@ -146,7 +168,7 @@ def backward_kernel(INNER, SQ, Q, A, GRAD_Y, GRAD_INNER, GRAD_M, GRAD_A, q_value
         inner = tl.load(INNER + offsets, mask=mask, other=0.0).to(tl.float32)
         grad = tl.load(GRAD_Y + offsets, mask=mask, other=0.0).to(tl.float32)
         if EPILOGUE != 0:
-            c = tl.minimum(tl.maximum(inner / m[None, :], -1.0), 1.0)
+            c = _clamp(inner / m[None, :])
             a = _parameter(A, a_value, g, ch, cmask, CG, PARAM)
             _, dy_dc, dy_da = _epilogue(c, a[:, None], EPILOGUE)
             if PARAM == 2:

@@ -21,7 +21,8 @@ from torch import Tensor
 
 from .energy.triton_backend import triton_importable, usable_on
 
-__all__ = ["BACKENDS", "EPILOGUES", "resolve_backend", "squared_patch_norms", "input_gradient", "fused_epilogue"]
+__all__ = ["BACKENDS", "EPILOGUES", "resolve_backend", "squared_patch_norms", "input_gradient", "fused_epilogue",
+           "per_channel"]
 
 BACKENDS = ("auto", "reference", "fused")
 EPILOGUES = ("cosine", "sharpen", "linear", "sigmoid", "sqcosine")  # the kernels' EPILOGUE numbers, in order
@@ -84,15 +85,15 @@ def _launch(kind: str, inner: Tensor, sq: Tensor, q, q_value, a, a_value, epilog
     if kind == "forward":
         bc, bp, warps = kernels.FORWARD_BLOCKS
         out = torch.empty(inner.shape, dtype=inner.dtype, device=inner.device)
-        grid = (b * groups, triton.cdiv(co // groups, bc), triton.cdiv(ho * wo, bp))
+        grid = (b * groups * triton.cdiv(co // groups, bc) * triton.cdiv(ho * wo, bp),)
         kernels.forward_kernel[grid](inner, sq, q_slot[0], a_slot[0], out, q_slot[1], a_slot[1], *sizes, eps * eps,
                                      **modes, BC=bc, BP=bp, num_warps=warps)
         return out
     bc, bp, warps = kernels.BACKWARD_BLOCKS
     blocks = triton.cdiv(ho * wo, bp)
     grad_inner, grad_m = torch.empty(inner.shape, dtype=inner.dtype, device=inner.device), torch.empty_like(sq)
-    partial = torch.zeros(b * groups * blocks if a is not None else 1, co, device=sq.device)
-    kernels.backward_kernel[(b * groups, blocks)](
+    partial = torch.zeros(b * blocks if a is not None else 1, co, device=sq.device)
+    kernels.backward_kernel[(b * groups * blocks,)](
         inner, sq, q_slot[0], a_slot[0], grad.contiguous(), grad_inner, grad_m, partial, q_slot[1], a_slot[1], *sizes,
         co, eps * eps, **modes, BC=bc, BP=bp, num_warps=warps)
     return grad_inner, grad_m, partial.sum(0) if a is not None else partial.new_empty(0)
@@ -166,5 +167,13 @@ def fused_epilogue(inner: Tensor, x: Tensor, q: Tensor | float | None, epilogue:
     if epilogue not in ("sharpen", "sigmoid"):
         param = None
     elif isinstance(param, Tensor):
-        param = param.reshape(-1).expand(inner.shape[1]).contiguous()  # one value per channel
+        param = param.to(inner.device).reshape(-1).expand(inner.shape[1]).contiguous()  # one value per channel
+    if isinstance(q, Tensor):
+        q = q.to(inner.device)
     return _FusedEpilogue.apply(inner, x, q, param, EPILOGUES.index(epilogue), *conv)
+
+
+def per_channel(param, channels: int) -> bool:
+    """True for a number, a one-value tensor or Tensor[C_out, 1, 1]: the parameters the kernels take (any other
+    shape broadcasts differently against Tensor[B, C_out, H', W'] and takes the reference path)."""
+    return not isinstance(param, Tensor) or param.numel() == 1 or tuple(param.shape) == (channels, 1, 1)

@@ -48,9 +48,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ._checks import integer, real_number
-from .angular import DECOUPLED_ANGULAR, angular_activation, check_angular
+from .angular import DECOUPLED_ANGULAR, angular_activation, check_angular, check_k
 from .geometry import max_abs_scale, safe_norm
-from .patch_epilogue import fused_epilogue, input_gradient, resolve_backend, squared_patch_norms
+from .patch_epilogue import fused_epilogue, input_gradient, per_channel, resolve_backend, squared_patch_norms
 
 __all__ = ["pair", "check_padding", "conv_arguments", "explicit_padding", "output_size", "patch_cosine2d",
            "patch_norm2d", "patchwise_reference", "sharpen"]
@@ -287,8 +287,9 @@ def patch_cosine2d(x: Tensor, weight: Tensor, stride=1, padding=0, dilation=1, g
         q (float or 0-dim Tensor, optional): offset added to the patch norm (a tensor gets a gradient; a number
             is never copied to the device).
         angular (str): ``"cosine"`` (c itself), ``"linear"``, ``"sigmoid"`` or ``"sqcosine"``. Default: cosine.
-        k (float, or a Tensor of 1 or C_out values such as Tensor[C_out, 1, 1]): sigmoid curvature. Default: 0.5.
-        power (float, or a Tensor of 1 or C_out values, optional): sharpening exponent p > 0 (cosine only).
+        k (float or Tensor): sigmoid curvature > 0 (one value, or Tensor[C_out, 1, 1] on the fused path; other
+            shapes broadcast as in :func:`~sphereml.angular.angular_activation`, on the reference path). Default: 0.5.
+        power (float or Tensor, optional): sharpening exponent p > 0 (cosine only), shaped as ``k``.
         backend (str): ``"auto"`` (fused on CUDA), ``"reference"`` or ``"fused"`` (Triton; float32 or
             half). Default: ``"auto"``.
 
@@ -296,6 +297,9 @@ def patch_cosine2d(x: Tensor, weight: Tensor, stride=1, padding=0, dilation=1, g
         Tensor[B, C_out, H', W'] in [-1, 1].
     """
     angular = check_angular(angular, DECOUPLED_ANGULAR)
+    eps = real_number("eps", eps, above=0.0)
+    if angular == "sigmoid":
+        k = check_k(k)
     if power is not None and angular != "cosine":
         raise ValueError(f"power sharpens the cosine: it needs angular='cosine', got {angular!r}")
     if power is not None and not isinstance(power, Tensor):
@@ -308,9 +312,14 @@ def patch_cosine2d(x: Tensor, weight: Tensor, stride=1, padding=0, dilation=1, g
     if q is not None and not isinstance(q, Tensor):
         q = None if q == 0 else float(q)  # a number stays on the host: no copy to the device per call
     conv = (kernel_size, stride, padding, dilation, groups, eps)
+    epilogue, param = ("sharpen", power) if power is not None else (angular, k)
     if resolve_backend(backend, x) == "fused":
-        epilogue, param = ("sharpen", power) if power is not None else (angular, k)
-        return fused_epilogue(inner, x, q, epilogue, param, conv)
+        if not per_channel(param, weight.shape[0]):
+            if backend == "fused":
+                raise ValueError(f"the fused epilogue takes k or p as a number, one value or Tensor[C_out, 1, 1], "
+                                 f"got shape {tuple(param.shape)}")
+        else:
+            return fused_epilogue(inner, x, q, epilogue, param, conv)
     cos = _DivideByPatchNorm.apply(inner, x, q, *conv)
     if power is not None:
         return sharpen(cos, power)

@@ -72,7 +72,7 @@ def sphere_conv2d(x: Tensor, weight: Tensor, bias: Tensor | None = None, stride=
     Returns:
         Tensor[B, C_out, H', W']; in [-1, 1] without bias.
     """
-    out = patch_cosine2d(x, weight, stride, padding, dilation, groups, eps, angular=check_angular(angular), k=k)
+    out = patch_cosine2d(x, weight, stride, padding, dilation, groups, eps, angular=angular, k=k)
     return _add_bias(out, bias, 2)
 
 
