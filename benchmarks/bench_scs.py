@@ -46,28 +46,33 @@ def run(device: torch.device) -> dict:
 
 def compile_check(arch: int = 90) -> list[dict]:
     """Compile the fused patch epilogue's kernels (:mod:`sphereml.patch_epilogue`) for ``sm_<arch>`` on the CPU,
-    in the forms the layers use (q and the parameter absent, a number or a tensor); float32 and bf16.
+    in the forms the layers use (q and the parameter absent, a number or a tensor; with and without the decoupled
+    operators' magnitude); float32 and bf16.
     Prints registers and spills.  Must run without TRITON_INTERPRET."""
     from sphereml import _patch_kernels as kernels
 
     from .sm90 import compile_kernel
 
-    forms = [("cosine", 0, 0), ("cosine", 2, 0), ("sharpen", 1, 1), ("sharpen", 2, 2), ("linear", 0, 0),
-             ("sigmoid", 0, 1), ("sigmoid", 0, 2), ("sqcosine", 0, 0)]  # (epilogue, Q_MODE, PARAM) as layers use them
+    forms = [("cosine", 0, 0, False), ("cosine", 2, 0, False), ("sharpen", 1, 1, False), ("sharpen", 2, 2, False),
+             ("linear", 0, 0, False), ("sigmoid", 0, 1, False), ("sigmoid", 0, 2, False), ("sqcosine", 0, 0, False),
+             ("cosine", 0, 0, True), ("sigmoid", 0, 1, True)]  # (epilogue, Q_MODE, PARAM, HAS_MAG) as layers use them
     rows = []
     for name, kernel, (bc, bp, warps) in (("forward", kernels.forward_kernel, kernels.FORWARD_BLOCKS),
                                           ("backward", kernels.backward_kernel, kernels.BACKWARD_BLOCKS)):
         for dtype in ("fp32", "bf16"):
-            for epilogue, q_mode, param in forms:
-                types = {"INNER": f"*{dtype}", "SQ": "*fp32", "Q": "*fp32", "A": "*fp32", "OUT": f"*{dtype}",
+            for epilogue, q_mode, param, has_mag in forms:
+                types = {"INNER": f"*{dtype}", "SQ": "*fp32", "Q": "*fp32", "A": "*fp32", "MAG": "*fp32",
+                         "GRAD_MAG": "*fp32", "OUT": f"*{dtype}",
                          "GRAD_Y": f"*{dtype}", "GRAD_INNER": f"*{dtype}", "GRAD_M": "*fp32", "GRAD_A": "*fp32",
                          "q_value": "fp32", "a_value": "fp32", "G": "i32", "CG": "i32", "P": "i32", "C_OUT": "i32",
                          "eps2": "fp32"}
                 constants = {"Q_MODE": q_mode, "EPILOGUE": kernels.EPILOGUES[epilogue], "PARAM": param,
-                             "BC": bc, "BP": bp}
+                             "HAS_MAG": has_mag, "BC": bc, "BP": bp}
                 row = {"kernel": name, "dtype": dtype, "epilogue": epilogue, "q_mode": q_mode, "param": param,
+                       "magnitude": has_mag,
                        **compile_kernel(kernel, types, constants, warps, 2, arch)}
                 rows.append(row)
-                print(f"compile sm_{arch} patch {name:8s} {dtype} {epilogue:8s} q {q_mode} param {param}: "
+                print(f"compile sm_{arch} patch {name:8s} {dtype} {epilogue:8s} q {q_mode} param {param} "
+                      f"magnitude {has_mag!s:5s}: "
                       f"registers {row['registers']}, spill stores {row['spill_store_bytes']} B", flush=True)
     return rows

@@ -11,7 +11,9 @@ c = clamp(INNER / m, -1, 1) and the epilogue y = f(c) is chosen by ``EPILOGUE`` 
     3 sigmoid    y = tanh(u) / tanh(pi / 4a), u = (pi/2 - theta) / 2a   (eq. 3.4 as a tanh ratio; a = k)
     4 sqcosine   y = c |c|                    (eq. 4.14)
 
-with the parameter a a number (``PARAM`` 1) or one value per channel (``PARAM`` 2).  The derivatives follow
+with the parameter a a number (``PARAM`` 1) or one value per channel (``PARAM`` 2).  With ``HAS_MAG`` the
+output is multiplied by a magnitude per position, MAG (Tensor[B, G, P], float32): the h(||x||) of the
+decoupled operators (thesis eq. 4.3), whose gradient dL/dMAG = sum_j dL/dy_j f(c_j) the backward also writes.  The derivatives follow
 the reference nodes exactly: d|c|^a/dc = a |c|^a / max(|c|, 1e-6) (Note [sharpening without NaN] in
 :mod:`sphereml.scs`) and d theta / dc = -1 / sqrt(max(1 - c^2, 1e-10)) (Note [angle for linear and sigmoid] in
 :mod:`sphereml.angular`).  Triton has neither arccos nor tanh: theta comes from the minimax polynomial of
@@ -124,8 +126,8 @@ def _clamp(c):
 
 
 @triton.jit
-def forward_kernel(INNER, SQ, Q, A, OUT, q_value, a_value, G, CG, P, eps2,
-                   Q_MODE: tl.constexpr, EPILOGUE: tl.constexpr, PARAM: tl.constexpr,
+def forward_kernel(INNER, SQ, Q, A, MAG, OUT, q_value, a_value, G, CG, P, eps2,
+                   Q_MODE: tl.constexpr, EPILOGUE: tl.constexpr, PARAM: tl.constexpr, HAS_MAG: tl.constexpr,
                    BC: tl.constexpr, BP: tl.constexpr):
     """y = f(clamp(INNER / m, -1, 1)) on one (channels, positions) tile; a 1-D grid (no 65,535 limit)."""
     channel_blocks, position_blocks = tl.cdiv(CG, BC), tl.cdiv(P, BP)
@@ -140,13 +142,15 @@ def forward_kernel(INNER, SQ, Q, A, OUT, q_value, a_value, G, CG, P, eps2,
     c = _clamp(tl.load(INNER + offsets, mask=mask, other=0.0).to(tl.float32) / m[None, :])
     a = _parameter(A, a_value, bg % G, ch, cmask, CG, PARAM)
     y, _, _ = _epilogue(c, a[:, None], EPILOGUE)
+    if HAS_MAG:
+        y = y * tl.load(MAG + bg.to(tl.int64) * P + pos, mask=pmask, other=0.0)[None, :]
     tl.store(OUT + offsets, y.to(OUT.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def backward_kernel(INNER, SQ, Q, A, GRAD_Y, GRAD_INNER, GRAD_M, GRAD_A, q_value, a_value, G, CG, P, C_OUT,
-                    eps2, Q_MODE: tl.constexpr, EPILOGUE: tl.constexpr, PARAM: tl.constexpr,
-                    BC: tl.constexpr, BP: tl.constexpr):
+def backward_kernel(INNER, SQ, Q, A, MAG, GRAD_Y, GRAD_INNER, GRAD_M, GRAD_A, GRAD_MAG, q_value, a_value, G, CG,
+                    P, C_OUT, eps2, Q_MODE: tl.constexpr, EPILOGUE: tl.constexpr, PARAM: tl.constexpr,
+                    HAS_MAG: tl.constexpr, BC: tl.constexpr, BP: tl.constexpr):
     """dL/dINNER on every channel of the group, dL/dm per position and dL/da partial sums, for BP positions.
 
     A 1-D grid over (b g, position block); the dL/da partial sums of sample b and position block go to row
@@ -159,6 +163,9 @@ def backward_kernel(INNER, SQ, Q, A, GRAD_Y, GRAD_INNER, GRAD_M, GRAD_A, q_value
     pmask = pos < P
     m = _denominator(SQ, Q, q_value, bg, pos, pmask, P, eps2, Q_MODE)
     acc = tl.zeros((BP,), tl.float32)
+    acc_mag = tl.zeros((BP,), tl.float32)
+    if HAS_MAG:
+        mag = tl.load(MAG + bg.to(tl.int64) * P + pos, mask=pmask, other=0.0)
     partial_row = ((bg // G).to(tl.int64) * position_blocks + block) * C_OUT
     for c0 in range(0, CG, BC):
         ch = c0 + tl.arange(0, BC)
@@ -167,13 +174,18 @@ def backward_kernel(INNER, SQ, Q, A, GRAD_Y, GRAD_INNER, GRAD_M, GRAD_A, q_value
         mask = cmask[:, None] & pmask[None, :]
         inner = tl.load(INNER + offsets, mask=mask, other=0.0).to(tl.float32)
         grad = tl.load(GRAD_Y + offsets, mask=mask, other=0.0).to(tl.float32)
-        if EPILOGUE != 0:
+        if EPILOGUE != 0 or HAS_MAG:
             c = _clamp(inner / m[None, :])
             a = _parameter(A, a_value, g, ch, cmask, CG, PARAM)
-            _, dy_dc, dy_da = _epilogue(c, a[:, None], EPILOGUE)
+            y, dy_dc, dy_da = _epilogue(c, a[:, None], EPILOGUE)
+            if HAS_MAG:
+                acc_mag += tl.sum(grad * y, axis=0)
+                grad = grad * mag[None, :]
             if PARAM == 2:
                 tl.store(GRAD_A + partial_row + g * CG + ch, tl.sum(grad * dy_da, axis=1), mask=cmask)
             grad = grad * dy_dc
         tl.store(GRAD_INNER + offsets, (grad / m[None, :]).to(GRAD_INNER.dtype.element_ty), mask=mask)
         acc += tl.sum(grad * inner, axis=0)
     tl.store(GRAD_M + bg.to(tl.int64) * P + pos, -acc / (m * m), mask=pmask)
+    if HAS_MAG:
+        tl.store(GRAD_MAG + bg.to(tl.int64) * P + pos, acc_mag, mask=pmask)

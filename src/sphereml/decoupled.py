@@ -66,6 +66,7 @@ from torch.nn.utils import parametrize
 from ._checks import integer, one_of, real_number
 from .angular import DECOUPLED_ANGULAR, angular_activation, angular_function, check_angular, check_k
 from .geometry import safe_norm
+from .patch_epilogue import fused_epilogue, per_channel, resolve_backend
 from .patches import conv_arguments, explicit_padding, pair, patch_norm2d, patchwise_reference
 from .sphereconv import Positive
 
@@ -144,15 +145,21 @@ def _magnitude_over_norm(norm: Tensor, magnitude: str, alpha: float, beta: float
     return magnitude_function(norm, magnitude, alpha, beta, radius) / norm
 
 
-def _conv_parts(x: Tensor, weight: Tensor, stride, padding, dilation, groups: int, eps: float):
-    """(u = conv(x, w_hat) Tensor[B, C_out, H', W'], patch norms Tensor[B, G, H', W'], ||w|| Tensor[C_out]):
-    everything the operator needs from a convolution (Note [decoupled operator by convolution])."""
+def _conv_parts(x: Tensor, weight: Tensor, stride, padding, dilation, groups: int, eps: float, backend="auto"):
+    """(u = conv(x, w_hat) Tensor[B, C_out, H', W'], patch norms Tensor[B, G, H', W'], ||w|| Tensor[C_out], fuse):
+    everything the operator needs from a convolution (Note [decoupled operator by convolution]).  ``fuse(angular,
+    k, h)`` is h g(theta) by the fused epilogue of :mod:`~sphereml.patch_epilogue` where ``backend`` resolves to
+    it (``"auto"``: on CUDA), else False."""
     kernel_size = tuple(weight.shape[2:])
     stride, dilation = pair(stride, "stride", 1), pair(dilation, "dilation", 1)
     x, padding = explicit_padding(x, padding, kernel_size, stride, dilation)
     w_norm = weight.flatten(1).norm(dim=1).clamp_min(eps)
     inner = F.conv2d(x, weight / w_norm.view(-1, 1, 1, 1), None, stride, padding, dilation, groups)
-    return inner, patch_norm2d(x, kernel_size, stride, padding, dilation, groups, eps), w_norm
+    norm = patch_norm2d(x, kernel_size, stride, padding, dilation, groups, eps)
+
+    def fuse(angular, k, h):  # norm is floored at eps already, so sqrt(max(norm^2, eps^2)) = norm
+        return fused_epilogue(inner, norm.square(), None, angular, k, groups, eps, magnitude=h)
+    return inner, norm, w_norm, resolve_backend(backend, x) == "fused" and fuse
 
 
 def _linear_parts(x: Tensor, weight: Tensor, eps: float):
@@ -172,8 +179,11 @@ def _per_channel(norm: Tensor, channels: int) -> Tensor:
 
 
 def _response(inner: Tensor, norm: Tensor, w_norm: Tensor, magnitude: str, angular: str, alpha: float,
-              beta: float, radius, rho, k, weighted: str | None) -> Tensor:
-    """h g from u = w_hat . x (Tensor[B, C, ...]), the patch norms (Tensor[B, G, ...]) and ||w|| (Tensor[C])."""
+              beta: float, radius, rho, k, weighted: str | None, fuse=None) -> Tensor:
+    """h g from u = w_hat . x (Tensor[B, C, ...]), the patch norms (Tensor[B, G, ...]) and ||w|| (Tensor[C]);
+    unweighted operators through ``fuse`` (see :func:`_conv_parts`) where it is given."""
+    if fuse and weighted is None and per_channel(k, inner.shape[1]):
+        return fuse(angular, k, magnitude_function(norm, magnitude, alpha, beta, radius))
     shape = (-1,) + (1,) * (inner.dim() - 2)  # ||w|| broadcast over the channel axis
     w_norm = w_norm.view(shape)
     if weighted == "tanh_joint":  # eq. 4.15: alpha tanh(||x|| ||w|| / r) g
@@ -200,7 +210,7 @@ def _radius(rho, norm_mean):
 def decoupled_conv2d(x: Tensor, weight: Tensor, stride=1, padding=0, dilation=1, groups: int = 1,
                      magnitude: str = "tanh", angular: str = "cosine", alpha: float = 1.0, beta: float | None = None,
                      rho: float | Tensor = 1.0, k: float | Tensor = 0.5, weighted=False,
-                     norm_mean: float | Tensor | None = None, eps: float = 1e-6) -> Tensor:
+                     norm_mean: float | Tensor | None = None, eps: float = 1e-6, backend: str = "auto") -> Tensor:
     """The decoupled operator f = h(||w||, ||x||) g(theta) (eq. 4.3) for every kernel and patch.
 
     Args:
@@ -214,6 +224,8 @@ def decoupled_conv2d(x: Tensor, weight: Tensor, stride=1, padding=0, dilation=1,
         norm_mean (float or Tensor, optional): E{||x||}; the radius becomes rho E{||x||}
             (Note [radius normalisation]).
         eps (float): patch-norm floor (a zero patch outputs 0).
+        backend (str): ``"auto"``, ``"reference"`` or ``"fused"``: the unweighted operators' g and h in the fused
+            epilogue of :mod:`~sphereml.patch_epilogue` (``"auto"``: on CUDA). Default: ``"auto"``.
 
     Returns:
         Tensor[B, C_out, H', W'].
@@ -221,9 +233,9 @@ def decoupled_conv2d(x: Tensor, weight: Tensor, stride=1, padding=0, dilation=1,
     magnitude, weighted = _check_magnitude(magnitude), _check_weighted(weighted, magnitude)
     angular = check_angular(angular, DECOUPLED_ANGULAR)
     beta = default_beta(magnitude, beta)
-    inner, norm, w_norm = _conv_parts(x, weight, stride, padding, dilation, groups, eps)
+    inner, norm, w_norm, fuse = _conv_parts(x, weight, stride, padding, dilation, groups, eps, backend)
     return _response(inner, norm, w_norm, magnitude, angular, alpha, beta, _radius(rho, norm_mean), rho, k,
-                     weighted)
+                     weighted, fuse)
 
 
 def decoupled_linear(x: Tensor, weight: Tensor, magnitude: str = "tanh", angular: str = "cosine",
@@ -326,9 +338,9 @@ class _DecoupledMixin:
             self.norm_mean.fill_(1.0)
             self.norm_mean_updates.zero_()
 
-    def _operator(self, inner: Tensor, norm: Tensor, w_norm: Tensor) -> Tensor:
+    def _operator(self, inner: Tensor, norm: Tensor, w_norm: Tensor, fuse=None) -> Tensor:
         return _response(inner, norm, w_norm, self.magnitude, self.angular, self.alpha, self.beta,
-                         _radius(self.rho, self._norm_mean(norm)), self.rho, self.k, self.weighted)
+                         _radius(self.rho, self._norm_mean(norm)), self.rho, self.k, self.weighted, fuse)
 
     def _decoupled_repr(self) -> str:
         text = f", magnitude={self.magnitude!r}, angular={self.angular!r}, alpha={self.alpha:g}"

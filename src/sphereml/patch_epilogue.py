@@ -6,8 +6,8 @@ layer's function of the cosine (an angular activation of :mod:`~sphereml.angular
 Here the squared patch norms come from one depthwise convolution (:func:`squared_patch_norms`, Note [patch
 norm by convolution] in :mod:`~sphereml.patches`), and then one Triton kernel reads the inner products once
 and writes the output, and one backward kernel reads them and dL/dy once and writes dL/d(inner products),
-dL/dm per position (m the divided norm; the rest of dL/dx is :func:`input_gradient`) and the partial sums of
-dL/d(parameter) (:mod:`sphereml._patch_kernels`, with the formulas).  The kernels are the custom operators
+dL/dm per position (m the divided norm; autograd carries it on to x through :func:`squared_patch_norms`) and
+the partial sums of dL/d(parameter) (:mod:`sphereml._patch_kernels`, with the formulas).  The kernels are the custom operators
 ``sphereml::patch_epilogue`` and ``sphereml::patch_epilogue_backward``, so ``torch.compile`` traces the layer
 with ``fullgraph=True``.  They run on CUDA tensors, and on CPU tensors under ``TRITON_INTERPRET=1`` (the
 tests); the reference nodes of :mod:`~sphereml.patches` and :mod:`~sphereml.angular` are the oracle.
@@ -21,8 +21,7 @@ from torch import Tensor
 
 from .energy.triton_backend import triton_importable, usable_on
 
-__all__ = ["BACKENDS", "EPILOGUES", "resolve_backend", "squared_patch_norms", "input_gradient", "fused_epilogue",
-           "per_channel"]
+__all__ = ["BACKENDS", "EPILOGUES", "resolve_backend", "squared_patch_norms", "fused_epilogue", "per_channel"]
 
 BACKENDS = ("auto", "reference", "fused")
 EPILOGUES = ("cosine", "sharpen", "linear", "sigmoid", "sqcosine")  # the kernels' EPILOGUE numbers, in order
@@ -53,18 +52,6 @@ def squared_patch_norms(x: Tensor, kernel_size, stride, padding, dilation, group
         return energy.shape, F.conv2d(energy, ones, None, stride, padding, dilation, groups)
 
 
-def input_gradient(grad_m: Tensor, x: Tensor, norm: Tensor, sq: Tensor, energy_shape, conv) -> Tensor:
-    """dL/dx through the patch norms: 2 x conv_transpose(d/ds, ones) with d/ds = (dL/dm) / 2n, zero where the
-    norm floor is active.  ``conv``: (kernel_size, stride, padding, dilation, groups, eps)."""
-    kernel_size, stride, padding, dilation, groups, eps = conv
-    grad_sq = grad_m.div_(norm).mul_(0.5).mul_(sq >= eps * eps)
-    ones = grad_sq.new_ones(groups, 1, *kernel_size)
-    grad_energy = torch.nn.grad.conv2d_input(energy_shape, ones, grad_sq, stride, padding, dilation, groups)
-    b, c, h, w = x.shape
-    grad_x = (x.reshape(b, groups, c // groups, h, w) * grad_energy.unsqueeze(2)).mul_(2.0)
-    return grad_x.reshape(b, c, h, w).to(x.dtype)
-
-
 def _slot(tensor: Tensor | None, number: float | None, placeholder: Tensor, default: float):
     """(pointer, number, mode) of a kernel argument: mode 0 absent, 1 a number, 2 a tensor."""
     if tensor is not None:
@@ -72,55 +59,61 @@ def _slot(tensor: Tensor | None, number: float | None, placeholder: Tensor, defa
     return (placeholder, default, 0) if number is None else (placeholder, number, 1)
 
 
-def _launch(kind: str, inner: Tensor, sq: Tensor, q, q_value, a, a_value, epilogue: int, groups: int, eps: float,
-            grad: Tensor | None = None):
+def _launch(kind: str, inner: Tensor, sq: Tensor, q, q_value, a, a_value, mag, epilogue: int, groups: int,
+            eps: float, grad: Tensor | None = None):
     import triton
 
     from . import _patch_kernels as kernels
 
     (b, co, ho, wo), placeholder = inner.shape, sq.new_empty(1)
     q_slot, a_slot = _slot(q, q_value, placeholder, 0.0), _slot(a, a_value, placeholder, 1.0)
-    modes = {"Q_MODE": q_slot[2], "EPILOGUE": epilogue, "PARAM": a_slot[2]}
+    modes = {"Q_MODE": q_slot[2], "EPILOGUE": epilogue, "PARAM": a_slot[2], "HAS_MAG": mag is not None}
+    mag_ptr = placeholder if mag is None else mag.contiguous()
     sizes, inner = (groups, co // groups, ho * wo), inner.contiguous()
     if kind == "forward":
         bc, bp, warps = kernels.FORWARD_BLOCKS
         out = torch.empty(inner.shape, dtype=inner.dtype, device=inner.device)
         grid = (b * groups * triton.cdiv(co // groups, bc) * triton.cdiv(ho * wo, bp),)
-        kernels.forward_kernel[grid](inner, sq, q_slot[0], a_slot[0], out, q_slot[1], a_slot[1], *sizes, eps * eps,
-                                     **modes, BC=bc, BP=bp, num_warps=warps)
+        kernels.forward_kernel[grid](inner, sq, q_slot[0], a_slot[0], mag_ptr, out, q_slot[1], a_slot[1], *sizes,
+                                     eps * eps, **modes, BC=bc, BP=bp, num_warps=warps)
         return out
     bc, bp, warps = kernels.BACKWARD_BLOCKS
     blocks = triton.cdiv(ho * wo, bp)
     grad_inner, grad_m = torch.empty(inner.shape, dtype=inner.dtype, device=inner.device), torch.empty_like(sq)
     partial = torch.zeros(b * blocks if a is not None else 1, co, device=sq.device)
+    grad_mag = torch.empty_like(sq) if mag is not None else placeholder
     kernels.backward_kernel[(b * groups * blocks,)](
-        inner, sq, q_slot[0], a_slot[0], grad.contiguous(), grad_inner, grad_m, partial, q_slot[1], a_slot[1], *sizes,
-        co, eps * eps, **modes, BC=bc, BP=bp, num_warps=warps)
-    return grad_inner, grad_m, partial.sum(0) if a is not None else partial.new_empty(0)
+        inner, sq, q_slot[0], a_slot[0], mag_ptr, grad.contiguous(), grad_inner, grad_m, partial, grad_mag,
+        q_slot[1], a_slot[1], *sizes, co, eps * eps, **modes, BC=bc, BP=bp, num_warps=warps)
+    return (grad_inner, grad_m, partial.sum(0) if a is not None else partial.new_empty(0),
+            grad_mag if mag is not None else sq.new_empty(0))
 
 
 @torch.library.custom_op("sphereml::patch_epilogue", mutates_args=())
 def _forward_op(inner: Tensor, sq: Tensor, q: Tensor | None, q_value: float | None, a: Tensor | None,
-                a_value: float | None, epilogue: int, groups: int, eps: float) -> Tensor:
-    """y = f(clamp(inner / (sqrt(max(sq, eps^2)) + q), -1, 1)), f the epilogue with parameter a: one kernel."""
-    return _launch("forward", inner, sq, q, q_value, a, a_value, epilogue, groups, eps)
+                a_value: float | None, mag: Tensor | None, epilogue: int, groups: int, eps: float) -> Tensor:
+    """y = mag f(clamp(inner / (sqrt(max(sq, eps^2)) + q), -1, 1)), f the epilogue with parameter a: one kernel."""
+    return _launch("forward", inner, sq, q, q_value, a, a_value, mag, epilogue, groups, eps)
 
 
 @_forward_op.register_fake
-def _(inner, sq, q, q_value, a, a_value, epilogue, groups, eps):
+def _(inner, sq, q, q_value, a, a_value, mag, epilogue, groups, eps):
     return inner.new_empty(inner.shape)
 
 
 @torch.library.custom_op("sphereml::patch_epilogue_backward", mutates_args=())
 def _backward_op(grad: Tensor, inner: Tensor, sq: Tensor, q: Tensor | None, q_value: float | None, a: Tensor | None,
-                 a_value: float | None, epilogue: int, groups: int, eps: float) -> tuple[Tensor, Tensor, Tensor]:
-    """(dL/dinner, dL/dm: Tensor[B, G, H', W'], dL/da: Tensor[C_out], empty without a tensor a): one kernel."""
-    return _launch("backward", inner, sq, q, q_value, a, a_value, epilogue, groups, eps, grad)
+                 a_value: float | None, mag: Tensor | None, epilogue: int, groups: int,
+                 eps: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(dL/dinner, dL/dm: Tensor[B, G, H', W'], dL/da: Tensor[C_out], dL/dmag: Tensor[B, G, H', W']; the last
+    two empty without a tensor a or mag): one kernel."""
+    return _launch("backward", inner, sq, q, q_value, a, a_value, mag, epilogue, groups, eps, grad)
 
 
 @_backward_op.register_fake
-def _(grad, inner, sq, q, q_value, a, a_value, epilogue, groups, eps):
-    return inner.new_empty(inner.shape), sq.new_empty(sq.shape), sq.new_empty(inner.shape[1] if a is not None else 0)
+def _(grad, inner, sq, q, q_value, a, a_value, mag, epilogue, groups, eps):
+    return (inner.new_empty(inner.shape), sq.new_empty(sq.shape), sq.new_empty(inner.shape[1] if a is not None else 0),
+            sq.new_empty(sq.shape if mag is not None else (0,)))
 
 
 def _split(value: Tensor | float | None) -> tuple[Tensor | None, float | None]:
@@ -128,41 +121,49 @@ def _split(value: Tensor | float | None) -> tuple[Tensor | None, float | None]:
 
 
 class _FusedEpilogue(torch.autograd.Function):
-    """y = f(c) from the inner products and x, with the two kernels above; a: None, a number or Tensor[C_out]."""
+    """y = mag f(c) from the inner products and the squared patch norms sq, with the two kernels above.
+
+    a: None, a number or Tensor[C_out]; mag: None or Tensor[B, G, H', W'].  dL/dsq = (dL/dm) / 2n where
+    n = sqrt(sq) is above eps (zero under the floor); autograd takes it on to x."""
 
     @staticmethod
-    def forward(ctx, inner, x, q, a, epilogue, kernel_size, stride, padding, dilation, groups, eps):
-        energy_shape, sq = squared_patch_norms(x, kernel_size, stride, padding, dilation, groups)
-        sq = sq.contiguous()
-        ctx.save_for_backward(inner, x, sq, *(_split(v)[0] for v in (q, a)))
-        ctx.numbers = (_split(q)[1], _split(a)[1])
-        ctx.epilogue, ctx.energy_shape = epilogue, energy_shape
-        ctx.conv = (kernel_size, stride, padding, dilation, groups, eps)
-        return torch.ops.sphereml.patch_epilogue(inner, sq, *_split(q), *_split(a), epilogue, groups, eps)
+    def forward(ctx, inner, sq, q, a, mag, epilogue, groups, eps):
+        sq = sq.float().contiguous()
+        ctx.dtypes = (sq.dtype, None if mag is None else mag.dtype)
+        mag = None if mag is None else mag.float().contiguous()
+        ctx.save_for_backward(inner, sq, *(_split(v)[0] for v in (q, a)), mag)
+        ctx.numbers, ctx.settings = (_split(q)[1], _split(a)[1]), (epilogue, groups, eps)
+        return torch.ops.sphereml.patch_epilogue(inner, sq, *_split(q), *_split(a), mag, epilogue, groups, eps)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad):
-        inner, x, sq, q, a = ctx.saved_tensors
-        groups, eps = ctx.conv[4], ctx.conv[5]
-        grad_inner, grad_m, grad_a = torch.ops.sphereml.patch_epilogue_backward(
-            grad, inner, sq, q, ctx.numbers[0], a, ctx.numbers[1], ctx.epilogue, groups, eps)
+        inner, sq, q, a, mag = ctx.saved_tensors
+        epilogue, groups, eps = ctx.settings
+        grad_inner, grad_m, grad_a, grad_mag = torch.ops.sphereml.patch_epilogue_backward(
+            grad, inner, sq, q, ctx.numbers[0], a, ctx.numbers[1], mag, epilogue, groups, eps)
         grad_q = grad_m.sum().to(q.dtype) if q is not None and ctx.needs_input_grad[2] else None
         grad_a = grad_a.to(a.dtype) if a is not None and ctx.needs_input_grad[3] else None
-        grad_x = None
+        grad_mag = grad_mag.to(ctx.dtypes[1]) if mag is not None and ctx.needs_input_grad[4] else None
+        grad_sq = None
         if ctx.needs_input_grad[1]:
-            grad_x = input_gradient(grad_m, x, sq.clamp_min(eps * eps).sqrt(), sq, ctx.energy_shape, ctx.conv)
-        return grad_inner, grad_x, grad_q, grad_a, None, None, None, None, None, None, None
+            grad_sq = grad_m.mul_(0.5).div_(sq.clamp_min(eps * eps).sqrt_()).mul_(sq >= eps * eps)
+        return grad_inner, grad_sq, grad_q, grad_a, grad_mag, None, None, None
 
 
-def fused_epilogue(inner: Tensor, x: Tensor, q: Tensor | float | None, epilogue: str, param, conv) -> Tensor:
-    """The epilogue of a patch layer on its inner products ``inner`` (Tensor[B, C_out, H', W']) of input ``x``.
+def fused_epilogue(inner: Tensor, sq: Tensor, q: Tensor | float | None, epilogue: str, param, groups: int,
+                   eps: float, magnitude: Tensor | None = None) -> Tensor:
+    """The epilogue of a patch layer on its inner products ``inner`` (Tensor[B, C_out, H', W']).
 
     Args:
+        sq (Tensor[B, G, H', W']): the squared patch norms (:func:`squared_patch_norms`); the norm is
+            sqrt(max(sq, eps^2)), and sq gets its gradient.
         q (float or 0-d Tensor, optional): added to the patch norm.
         epilogue (str): one of :data:`EPILOGUES`.
         param: p for ``"sharpen"``, k for ``"sigmoid"`` (a number or a Tensor of 1 or C_out values), else unused.
-        conv: (kernel_size, stride, padding, dilation, groups, eps) of the layer, padding as numbers.
+        groups (int), eps (float): the layer's groups and norm floor.
+        magnitude (Tensor[B, G, H', W'], optional): a factor per position and group (the decoupled operators'
+            h(||x||)); it gets its gradient.
     """
     if epilogue not in ("sharpen", "sigmoid"):
         param = None
@@ -170,7 +171,7 @@ def fused_epilogue(inner: Tensor, x: Tensor, q: Tensor | float | None, epilogue:
         param = param.to(inner.device).reshape(-1).expand(inner.shape[1]).contiguous()  # one value per channel
     if isinstance(q, Tensor):
         q = q.to(inner.device)
-    return _FusedEpilogue.apply(inner, x, q, param, EPILOGUES.index(epilogue), *conv)
+    return _FusedEpilogue.apply(inner, sq, q, param, magnitude, EPILOGUES.index(epilogue), groups, eps)
 
 
 def per_channel(param, channels: int) -> bool:

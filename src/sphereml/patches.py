@@ -50,7 +50,7 @@ from torch import Tensor
 from ._checks import integer, real_number
 from .angular import DECOUPLED_ANGULAR, angular_activation, check_angular, check_k
 from .geometry import max_abs_scale, safe_norm
-from .patch_epilogue import fused_epilogue, input_gradient, per_channel, resolve_backend, squared_patch_norms
+from .patch_epilogue import fused_epilogue, per_channel, resolve_backend, squared_patch_norms
 
 __all__ = ["pair", "check_padding", "conv_arguments", "explicit_padding", "output_size", "patch_cosine2d",
            "patch_norm2d", "patchwise_reference", "sharpen"]
@@ -151,6 +151,18 @@ def patchwise_reference(x: Tensor, weight: Tensor, fn, stride=1, padding=0, dila
     return torch.cat(outs, 1).view(b, c_out, *shape)
 
 
+def _grad_x_through_norms(grad_m: Tensor, x: Tensor, norm: Tensor, sq: Tensor, energy_shape, conv) -> Tensor:
+    """dL/dx through the patch norms: 2 x conv_transpose(d/ds, ones) with d/ds = (dL/dm) / 2n, zero where the
+    norm floor is active.  ``conv``: (kernel_size, stride, padding, dilation, groups, eps)."""
+    kernel_size, stride, padding, dilation, groups, eps = conv
+    grad_sq = grad_m.div_(norm).mul_(0.5).mul_(sq >= eps * eps)
+    ones = grad_sq.new_ones(groups, 1, *kernel_size)
+    grad_energy = torch.nn.grad.conv2d_input(energy_shape, ones, grad_sq, stride, padding, dilation, groups)
+    b, c, h, w = x.shape
+    grad_x = (x.reshape(b, groups, c // groups, h, w) * grad_energy.unsqueeze(2)).mul_(2.0)
+    return grad_x.reshape(b, c, h, w).to(x.dtype)
+
+
 class _DivideByPatchNorm(torch.autograd.Function):
     """cos = clamp(inner / (||x_patch|| + q), -1, 1) with the patch norm of Note [patch norm by convolution].
 
@@ -196,7 +208,7 @@ class _DivideByPatchNorm(torch.autograd.Function):
             if ctx.has_q and ctx.needs_input_grad[2]:
                 grad_q = grad_m.sum()
             if ctx.needs_input_grad[1]:
-                grad_x = input_gradient(grad_m, x, norm, sq, ctx.energy_shape, ctx.conv)
+                grad_x = _grad_x_through_norms(grad_m, x, norm, sq, ctx.energy_shape, ctx.conv)
         return grad_inner, grad_x, grad_q, None, None, None, None, None, None
 
 
@@ -319,7 +331,8 @@ def patch_cosine2d(x: Tensor, weight: Tensor, stride=1, padding=0, dilation=1, g
                 raise ValueError(f"the fused epilogue takes k or p as a number, one value or Tensor[C_out, 1, 1], "
                                  f"got shape {tuple(param.shape)}")
         else:
-            return fused_epilogue(inner, x, q, epilogue, param, conv)
+            sq = squared_patch_norms(x, kernel_size, stride, padding, dilation, groups)[1]
+            return fused_epilogue(inner, sq, q, epilogue, param, groups, eps)
     cos = _DivideByPatchNorm.apply(inner, x, q, *conv)
     if power is not None:
         return sharpen(cos, power)
