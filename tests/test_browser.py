@@ -55,10 +55,17 @@ const report = () => {
     .filter(f => !/^Fig\\. \\d+\\.\\d+/.test((f.querySelector('.caption-number') || {}).textContent || ''))
     .map(f => (f.textContent || '').trim().slice(0, 60));
   const loose = [...art.querySelectorAll('.cell_output img')].filter(i => !i.closest('figure')).length;
+  // an equation number must be seen at once: inside the column and beside its equation's visible box
+  const artBox = art.getBoundingClientRect();
+  const numbers = [...art.querySelectorAll('div.math .eqno')].filter(n => {
+    const r = n.getBoundingClientRect(), m = n.closest('div.math').querySelector('mjx-container');
+    const box = m ? m.getBoundingClientRect() : {left: 0, right: 0};
+    return r.width === 0 || r.right > artBox.right + 1 || r.left < artBox.left - 1
+      || (m && r.left < box.right - 1 && r.right > box.left + 1); }).map(n => n.textContent.trim().slice(0, 12));
   const broken = [...document.images].filter(i => !i.complete || i.naturalWidth === 0).map(i => i.src);
   done({page_scroll: document.documentElement.scrollWidth > document.documentElement.clientWidth,
         raw_tex: raw, wide: wide, outside: outside, raw_tables: rawTables, dicts: dicts,
-        captions: captions, loose_images: loose, broken_images: broken,
+        captions: captions, loose_images: loose, broken_images: broken, hidden_numbers: numbers,
         header_bar: (h => h ? h.getBoundingClientRect().height : 0)(document.querySelector('header.bd-header')),
         launch_buttons: !!document.querySelector('.dropdown-launch-buttons'),
         formulas: art.querySelectorAll('mjx-container').length, has_math: !!art.querySelector('.math')});
@@ -147,6 +154,7 @@ def _page_problems(name: str, report: dict, width: str) -> list[str]:
         if report["loose_images"]:
             problems.append(f"{name}: {report['loose_images']} output images outside a numbered figure")
     problems += [f"{name}: image not loaded {src}" for src in report["broken_images"]]
+    problems += [f"{name} ({width}): equation number hidden or over its equation {n}" for n in report["hidden_numbers"]]
     if report["launch_buttons"] and not name.startswith("notebooks/"):
         problems.append(f"{name}: Binder / Colab buttons on a page that is not a chapter")
     if report["header_bar"]:
@@ -155,8 +163,8 @@ def _page_problems(name: str, report: dict, width: str) -> list[str]:
 
 
 def test_every_page_renders_within_the_column(driver):
-    """At a desktop's and a phone's width: formulas typeset, nothing wider than the column, no Markdown as
-    text, no dict dumps, numbered figures, no errors on the console."""
+    """At a desktop's and a phone's width: formulas typeset, nothing wider than the column, equation numbers in
+    view beside their equations, no Markdown as text, no dict dumps, numbered figures, no errors on the console."""
     shots = REPO / "_build" / "screenshots"
     shots.mkdir(parents=True, exist_ok=True)
     problems, formulas = [], 0
@@ -188,6 +196,7 @@ def test_the_page_checks_catch_what_they_look_for(driver, tmp_path):
 <figure><img src="data:image/gif;base64,R0lGODlhAQABAAAAACw="><figcaption>Figure 1. a caption</figcaption></figure>
 <div class="cell_output"><img src="data:image/gif;base64,R0lGODlhAQABAAAAACw="></div>
 <p style="width:600px">a paragraph wider than the column</p>
+<div class="math"><span class="eqno" style="position:relative; left:400px">(1.1)</span></div>
 <script>console.error("boom")</script>
 </article></body></html>""")
     _emulate(driver, "desktop")
@@ -196,7 +205,7 @@ def test_the_page_checks_catch_what_they_look_for(driver, tmp_path):
     console = [e for e in driver.get_log("browser") if e["level"] == "SEVERE"]
     assert console, "a console error went unseen"
     for what in ("a Markdown table shown as text", "a Python dict in an output", "without its chapter number",
-                 "outside a numbered figure", "wider than the column"):
+                 "outside a numbered figure", "wider than the column", "equation number hidden"):
         assert any(what in p for p in problems), f"{what!r} not caught: {problems}"
 
 
