@@ -14,6 +14,8 @@ import torch
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
+from conftest import sm90_compile_rows  # noqa: E402
+
 from sphereml import launches, margins  # noqa: E402
 from sphereml.margin_ce import margin_cross_entropy  # noqa: E402
 
@@ -200,17 +202,7 @@ def test_auto_is_the_reference_on_the_cpu():
 def test_kernels_compile_for_sm90_without_spills():
     """Both kernels, float32 and bf16 products, with and without weight norms, compiled for an H100 here
     (``benchmarks/sm90.py``; in a subprocess, as the kernels of this process are interpreted)."""
-    pytest.importorskip("triton.compiler", reason="needs Triton's compiler")
-    import json
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    code = "import json; from benchmarks.bench_margins import compile_check; print(json.dumps(compile_check()))"
-    done = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1], text=True,
-                          capture_output=True, env={**os.environ, "TRITON_INTERPRET": "0"}, timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
-    rows = json.loads(done.stdout.splitlines()[-1])
+    rows = sm90_compile_rows("bench_margins")
     assert len(rows) == 8
     for row in rows:
         assert row["spill_store_bytes"] in (0, None), row
