@@ -226,3 +226,16 @@ def test_weighted_decoupled_operators_keep_the_reference_path():
     counts = {b: count_ops(lambda b=b: decoupled_conv2d(x, w, weighted="tanh_joint", backend=b)).by_op
               for b in ("reference", "fused")}
     assert counts["reference"] == counts["fused"] and "sphereml::patch_epilogue" not in counts["fused"]
+
+
+def test_auto_switches_back_to_the_reference_paths(monkeypatch):
+    """SPHEREML_FUSED=0 makes "auto" take the reference paths of the patch layers and the margin heads on a GPU
+    box too (on this machine "auto" is the reference path anyway; the switch is read at each call)."""
+    from sphereml.energy.triton_backend import fused_by_default
+
+    cuda_like = type("CudaLike", (), {"is_cuda": True})()
+    monkeypatch.setenv("SPHEREML_FUSED", "0")
+    assert not fused_by_default(cuda_like)
+    monkeypatch.setenv("SPHEREML_FUSED", "1")
+    from sphereml.energy.triton_backend import triton_importable
+    assert fused_by_default(cuda_like) == triton_importable()

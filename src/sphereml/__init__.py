@@ -50,8 +50,8 @@ that ``import sphereml`` in a project of one's own brings no plotting, no chapte
 import importlib
 
 from . import (angular, attacks, comhe, comhe_functional, convsim, data, decoupled, decoupled_training, distributed,
-               energy, geometry, launches, margin_ce, margins, metrics, models, opt, orthogonalizers, patch_epilogue, patches, recalibration,
-               regularizers, schedules, scs, sphereconv, timing, train)
+               energy, geometry, launches, margin_ce, margins, metrics, models, opt, orthogonalizers, patch_epilogue,
+               patches, recalibration, regularizers, schedules, scs, sphereconv, timing, train)
 from .geometry import angle_matrix, cosine_matrix, normalize, safe_angle, sample_sphere
 from .train import evaluate, fit, resolve_device, seed_everything
 
@@ -61,8 +61,9 @@ BOOK_MODULES = ("book", "chapter", "conclusion", "errata", "ledger", "report", "
 
 __all__ = [
     "angular", "attacks", "comhe", "comhe_functional", "convsim", "data", "decoupled", "decoupled_training",
-    "distributed", "energy", "geometry", "launches", "margin_ce", "margins", "metrics", "models", "opt", "orthogonalizers",
-    "patch_epilogue", "patches", "recalibration", "regularizers", "schedules", "scs", "sphereconv", "timing", "train",
+    "distributed", "energy", "geometry", "launches", "margin_ce", "margins", "metrics", "models", "opt",
+    "orthogonalizers", "patch_epilogue", "patches", "recalibration", "regularizers", "schedules", "scs", "sphereconv",
+    "timing", "train",
     "normalize", "cosine_matrix", "safe_angle", "angle_matrix", "sample_sphere",
     "fit", "evaluate", "resolve_device", "seed_everything", "__version__",
 ]

@@ -13,17 +13,18 @@ c = clamp(INNER / m, -1, 1) and the epilogue y = f(c) is chosen by ``EPILOGUE`` 
 
 with the parameter a a number (``PARAM`` 1) or one value per channel (``PARAM`` 2).  With ``HAS_MAG`` the
 output is multiplied by a magnitude per position, MAG (Tensor[B, G, P], float32): the h(||x||) of the
-decoupled operators (thesis eq. 4.3), whose gradient dL/dMAG = sum_j dL/dy_j f(c_j) the backward also writes.  The derivatives follow
-the reference nodes exactly: d|c|^a/dc = a |c|^a / max(|c|, 1e-6) (Note [sharpening without NaN] in
-:mod:`sphereml.scs`) and d theta / dc = -1 / sqrt(max(1 - c^2, 1e-10)) (Note [angle for linear and sigmoid] in
-:mod:`sphereml.angular`).  Triton has neither arccos nor tanh: theta comes from the minimax polynomial of
-Abramowitz and Stegun 4.4.46 (|error| <= 2e-8 on [0, 1], theta(-c) = pi - theta(c)) and tanh from its
-series near 0 and exponentials elsewhere (``_tanh_sech2``).  NaN inputs stay NaN.  All arithmetic is float32; outputs take INNER's dtype.
+decoupled operators (thesis eq. 4.3), whose gradient dL/dMAG = sum_j dL/dy_j f(c_j) the backward also writes.
+The derivatives follow the reference nodes exactly: d|c|^a/dc = a |c|^a / max(|c|, 1e-6) (Note [sharpening
+without NaN] in :mod:`sphereml.scs`) and d theta / dc = -1 / sqrt(max(1 - c^2, 1e-10)) (Note [angle for linear
+and sigmoid] in :mod:`sphereml.angular`).  Triton has neither arccos nor tanh: theta comes from the minimax
+polynomial of Abramowitz and Stegun 4.4.46 (|error| <= 2e-8 on [0, 1], theta(-c) = pi - theta(c)) and tanh
+from its series near 0 and exponentials elsewhere (``_tanh_sech2``).  NaN inputs stay NaN.  All arithmetic is
+float32; outputs take INNER's dtype.
 
 * ``forward_kernel``: program (b g, channel block, position block), flattened into a 1-D grid: one read of
   INNER, one write of y.
-* ``backward_kernel``: program (b g, position block), also a 1-D grid, walks over the group's channels: from dL/dy it writes
-  dL/dINNER = dL/dc / m (the clamp passes the gradient, as in ``_DivideByPatchNorm``), and
+* ``backward_kernel``: program (b g, position block), also a 1-D grid, walks over the group's channels: from
+  dL/dy it writes dL/dINNER = dL/dc / m (the clamp passes the gradient, as in ``_DivideByPatchNorm``), and
   dL/dm = -sum_j dL/dc_j INNER_j / m^2 per position (Tensor[B, G, P]); with ``PARAM`` 2 also the partial sums
   over its positions of dL/da_j, one row per sample and position block (no atomics).
 """

@@ -23,7 +23,8 @@ Only B values change, so the head computes t_b itself in O(B d) from the label r
   custom operators (``torch.ops.sphereml.margin_ce_lse`` / ``margin_ce_grad``), so the fused loss
   traces under ``torch.compile(fullgraph=True)``.  The loss scale stays a device tensor (no host copy).
 
-``"auto"`` takes ``"fused"`` on CUDA tensors with Triton installed and ``"reference"`` otherwise.
+``"auto"`` takes ``"fused"`` on CUDA tensors with Triton installed (unless ``SPHEREML_FUSED=0``) and
+``"reference"`` otherwise.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .energy.triton_backend import triton_importable, usable_on
+from .energy.triton_backend import fused_by_default, usable_on
 from .geometry import safe_norm
 
 __all__ = ["BACKENDS", "WeightNormalizedLinear", "margin_cross_entropy", "resolve_backend"]
@@ -75,7 +76,7 @@ def resolve_backend(backend: str, x: Tensor) -> str:
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "auto":
-        return "fused" if x.is_cuda and triton_importable() else "reference"
+        return "fused" if fused_by_default(x) else "reference"
     return backend
 
 

@@ -1,16 +1,17 @@
 """The patch layers' epilogue fused into one kernel each way: patch-norm division, clamp, g(theta) or sharpening.
 
-After its convolution a patch layer (:mod:`~sphereml.patches`: SphereConv, SCS) only works elementwise on
-the B x C_out x H' x W' inner products: divide each by its patch norm (+ q), clamp to [-1, 1], and apply the
+After its convolution a patch layer (:mod:`~sphereml.patches`: SphereConv, SCS) only works elementwise on the
+B x C_out x H' x W' inner products: divide each by its patch norm (+ q), clamp to [-1, 1], and apply the
 layer's function of the cosine (an angular activation of :mod:`~sphereml.angular`, or the SCS sharpening).
 Here the squared patch norms come from one depthwise convolution (:func:`squared_patch_norms`, Note [patch
 norm by convolution] in :mod:`~sphereml.patches`), and then one Triton kernel reads the inner products once
 and writes the output, and one backward kernel reads them and dL/dy once and writes dL/d(inner products),
 dL/dm per position (m the divided norm; autograd carries it on to x through :func:`squared_patch_norms`) and
-the partial sums of dL/d(parameter) (:mod:`sphereml._patch_kernels`, with the formulas).  The kernels are the custom operators
-``sphereml::patch_epilogue`` and ``sphereml::patch_epilogue_backward``, so ``torch.compile`` traces the layer
-with ``fullgraph=True``.  They run on CUDA tensors, and on CPU tensors under ``TRITON_INTERPRET=1`` (the
-tests); the reference nodes of :mod:`~sphereml.patches` and :mod:`~sphereml.angular` are the oracle.
+the partial sums of dL/d(parameter) (:mod:`sphereml._patch_kernels`, with the formulas).  The kernels are the
+custom operators ``sphereml::patch_epilogue`` and ``sphereml::patch_epilogue_backward``, so ``torch.compile``
+traces the layer with ``fullgraph=True``.  They run on CUDA tensors, and on CPU tensors under
+``TRITON_INTERPRET=1`` (the tests); the reference nodes of :mod:`~sphereml.patches` and
+:mod:`~sphereml.angular` are the oracle.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .energy.triton_backend import triton_importable, usable_on
+from .energy.triton_backend import fused_by_default, usable_on
 
 __all__ = ["BACKENDS", "EPILOGUES", "resolve_backend", "squared_patch_norms", "fused_epilogue", "per_channel"]
 
@@ -28,12 +29,13 @@ EPILOGUES = ("cosine", "sharpen", "linear", "sigmoid", "sqcosine")  # the kernel
 
 
 def resolve_backend(backend: str, x: Tensor) -> str:
-    """``"reference"`` or ``"fused"``: ``"auto"`` fuses float32 and half CUDA tensors when Triton is installed."""
+    """``"reference"`` or ``"fused"``: ``"auto"`` fuses float32 and half CUDA tensors when Triton is installed
+    (unless ``SPHEREML_FUSED=0``)."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     fusable = x.dtype != torch.float64 and usable_on(x)
     if backend == "auto":
-        return "fused" if fusable and x.is_cuda and triton_importable() else "reference"
+        return "fused" if fusable and fused_by_default(x) else "reference"
     if backend == "fused" and not fusable:
         raise ValueError("backend='fused' needs Triton and float32 or half CUDA tensors (on the CPU, "
                          "TRITON_INTERPRET=1)")

@@ -24,15 +24,16 @@ Note [zero patch]
     eps a layer with q = 0 is exactly invariant to rescaling the patch.
 
 Note [fused epilogue]
-    After the convolution the layer's work is elementwise: divide each inner product by its patch norm
-    (+ q), clamp, and for SCS sharpen.  Eagerly that is a pass over the B x C_out x H' x W' output per
-    operation: forward + backward, 8 such operations for the cosine, 19 for linear g, 26 for sigmoid g
-    (32 with a learned k), 17 for SCS (23 with learned p and q), against 3 for ``nn.Conv2d``.  On CUDA
-    (``backend="auto"``) one Triton kernel does it all forward and one backward, for every angular
-    activation and for the sharpening (:mod:`sphereml.patch_epilogue`): 5 in every case (the convolution,
-    its backward, the two kernels, and a loss's sum), reading the inner products once; the patch norms
-    still come from the depthwise convolution above.  Counted on the CPU by ``tests/test_patch_epilogue.py``.  The fused output keeps the input's dtype (bf16 stays bf16, as a convolution's);
-    the reference path promotes half inputs to float32.  The CPU keeps the reference path.
+    After the convolution the layer's work is elementwise: divide each inner product by its patch norm (+ q),
+    clamp, and for SCS sharpen.  Eagerly that is a pass over the B x C_out x H' x W' output per operation:
+    forward + backward, 8 such operations for the cosine, 19 for linear g, 26 for sigmoid g (32 with a learned
+    k), 17 for SCS (23 with learned p and q), against 3 for ``nn.Conv2d``.  On CUDA (``backend="auto"``) one
+    Triton kernel does it all forward and one backward, for every angular activation and for the sharpening
+    (:mod:`sphereml.patch_epilogue`): 5 in every case (the convolution, its backward, the two kernels, and a
+    loss's sum), reading the inner products once; the patch norms still come from the depthwise convolution
+    above.  Counted on the CPU by ``tests/test_patch_epilogue.py``.  The fused output keeps the input's dtype
+    (bf16 stays bf16, as a convolution's); the reference path promotes half inputs to float32.  The CPU keeps
+    the reference path.
 
 Note [patch norm without overflow]
     In float32 and bfloat16 the square of 1e19 is inf and that of 1e-20 is 0.  Each sample is

@@ -63,7 +63,7 @@ from torch import Tensor
 from .kernels import CLOSE_R2
 
 __all__ = ["TRITON_DTYPES", "PRECISIONS", "TUNE_CAP", "triton_importable", "interpreting", "usable_on",
-           "matmul_precision", "TritonEnergy", "triton_energy"]
+           "fused_by_default", "matmul_precision", "TritonEnergy", "triton_energy"]
 
 TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 PRECISIONS = {"highest": "ieee", "high": "tf32", "medium": "tf32"}  # torch setting -> tl.dot input_precision
@@ -86,6 +86,12 @@ def interpreting() -> bool:
 def usable_on(points: Tensor) -> bool:
     """Triton can run here: importable, and CUDA tensors (or CPU tensors under the interpreter)."""
     return triton_importable() and (points.is_cuda or (interpreting() and points.device.type == "cpu"))
+
+
+def fused_by_default(x: Tensor) -> bool:
+    """What ``backend="auto"`` of the fused layers and heads picks: CUDA tensors with Triton installed, unless
+    ``SPHEREML_FUSED=0`` (a switch back to the reference paths on a GPU box, for a comparison or a workaround)."""
+    return x.is_cuda and triton_importable() and os.environ.get("SPHEREML_FUSED", "1") != "0"
 
 
 def matmul_precision() -> str:
