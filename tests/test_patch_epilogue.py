@@ -231,11 +231,10 @@ def test_weighted_decoupled_operators_keep_the_reference_path():
 def test_auto_switches_back_to_the_reference_paths(monkeypatch):
     """SPHEREML_FUSED=0 makes "auto" take the reference paths of the patch layers and the margin heads on a GPU
     box too (on this machine "auto" is the reference path anyway; the switch is read at each call)."""
-    from sphereml.energy.triton_backend import fused_by_default
+    from sphereml.energy.triton_backend import choose_backend, triton_importable
 
     cuda_like = type("CudaLike", (), {"is_cuda": True})()
     monkeypatch.setenv("SPHEREML_FUSED", "0")
-    assert not fused_by_default(cuda_like)
+    assert choose_backend("auto", cuda_like) == "reference"
     monkeypatch.setenv("SPHEREML_FUSED", "1")
-    from sphereml.energy.triton_backend import triton_importable
-    assert fused_by_default(cuda_like) == triton_importable()
+    assert (choose_backend("auto", cuda_like) == "fused") == triton_importable()

@@ -33,12 +33,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .energy.triton_backend import fused_by_default, usable_on
+from .energy.triton_backend import choose_backend, usable_on
 from .geometry import safe_norm
 
-__all__ = ["BACKENDS", "WeightNormalizedLinear", "margin_cross_entropy", "resolve_backend"]
-
-BACKENDS = ("auto", "reference", "fused")
+__all__ = ["WeightNormalizedLinear", "margin_cross_entropy"]
 
 
 class WeightNormalizedLinear(torch.autograd.Function):
@@ -69,15 +67,6 @@ class WeightNormalizedLinear(torch.autograd.Function):
             coeff = (grad * out).sum(0) * inv * inv * active  # (C,); zero where the norm was floored
             grad_w = (g.T @ x).addcmul_(weight, coeff[:, None], value=-1.0)
         return grad_x, grad_w, None
-
-
-def resolve_backend(backend: str, x: Tensor) -> str:
-    """``"reference"`` or ``"fused"`` for ``backend`` on the device of ``x`` (see the module notes)."""
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if backend == "auto":
-        return "fused" if fused_by_default(x) else "reference"
-    return backend
 
 
 # --- the two passes as custom operators: Triton kernels where usable, PyTorch operations otherwise ---
@@ -241,7 +230,7 @@ def margin_cross_entropy(x: Tensor, weight: Tensor, labels: Tensor, target: Tens
     Returns:
         The mean loss (a 0-d tensor), or (loss, logits) with ``return_logits``.
     """
-    if resolve_backend(backend, x) == "reference":
+    if choose_backend(backend, x) == "reference":
         loss, logits = _reference(x, weight, labels, target, normalize_weight, eps)
         logits = logits.detach()
     else:

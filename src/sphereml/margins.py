@@ -48,8 +48,8 @@ from torch import Tensor, nn
 from ._checks import integer, labels as check_labels, real_number
 from .angular import angular_activation, angular_function, check_angular, stable_arccos
 from .geometry import arcface_psi, integer_margin, multiplicative_psi, normalize, psi, safe_norm
-from .margin_ce import BACKENDS, WeightNormalizedLinear, margin_cross_entropy
-from .margin_ce import resolve_backend as margin_backend
+from .energy.triton_backend import FUSED_BACKENDS, choose_backend
+from .margin_ce import WeightNormalizedLinear, margin_cross_entropy
 from .schedules import LambdaSchedule
 
 __all__ = [
@@ -141,8 +141,8 @@ class _MarginHead(nn.Module):
         return (logit_y / scale_y.clamp_min(1e-12)).clamp(-1.0, 1.0)
 
     def __setattr__(self, name, value):
-        if name == "backend" and value not in BACKENDS:
-            raise ValueError(f"backend must be one of {BACKENDS}, got {value!r}")
+        if name == "backend" and value not in FUSED_BACKENDS:
+            raise ValueError(f"backend must be one of {FUSED_BACKENDS}, got {value!r}")
         super().__setattr__(name, value)
 
     def product_input(self, features: Tensor) -> Tensor:
@@ -164,7 +164,7 @@ class _MarginHead(nn.Module):
         return result if want_logits else (result, None)
 
     def _loss(self, features: Tensor, labels: Tensor, want_logits: bool):
-        fused = self.weight_normalized is not None and margin_backend(self.backend, features) == "fused"
+        fused = self.weight_normalized is not None and choose_backend(self.backend, features) == "fused"
         if fused:
             value, logits = self._fused_loss(features, labels, want_logits)
         else:

@@ -20,22 +20,18 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .energy.triton_backend import fused_by_default, usable_on
+from .energy.triton_backend import choose_backend, usable_on
 
-__all__ = ["BACKENDS", "EPILOGUES", "resolve_backend", "squared_patch_norms", "fused_epilogue", "per_channel"]
+__all__ = ["EPILOGUES", "resolve_backend", "squared_patch_norms", "fused_epilogue", "per_channel"]
 
-BACKENDS = ("auto", "reference", "fused")
 EPILOGUES = ("cosine", "sharpen", "linear", "sigmoid", "sqcosine")  # the kernels' EPILOGUE numbers, in order
 
 
 def resolve_backend(backend: str, x: Tensor) -> str:
     """``"reference"`` or ``"fused"``: ``"auto"`` fuses float32 and half CUDA tensors when Triton is installed
     (unless ``SPHEREML_FUSED=0``)."""
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     fusable = x.dtype != torch.float64 and usable_on(x)
-    if backend == "auto":
-        return "fused" if fusable and fused_by_default(x) else "reference"
+    backend = choose_backend(backend, x, fusable)
     if backend == "fused" and not fusable:
         raise ValueError("backend='fused' needs Triton and float32 or half CUDA tensors (on the CPU, "
                          "TRITON_INTERPRET=1)")
@@ -131,7 +127,7 @@ class _FusedEpilogue(torch.autograd.Function):
     @staticmethod
     def forward(ctx, inner, sq, q, a, mag, epilogue, groups, eps):
         sq = sq.float().contiguous()
-        ctx.dtypes = (sq.dtype, None if mag is None else mag.dtype)
+        ctx.mag_dtype = None if mag is None else mag.dtype
         mag = None if mag is None else mag.float().contiguous()
         ctx.save_for_backward(inner, sq, *(_split(v)[0] for v in (q, a)), mag)
         ctx.numbers, ctx.settings = (_split(q)[1], _split(a)[1]), (epilogue, groups, eps)
@@ -146,7 +142,7 @@ class _FusedEpilogue(torch.autograd.Function):
             grad, inner, sq, q, ctx.numbers[0], a, ctx.numbers[1], mag, epilogue, groups, eps)
         grad_q = grad_m.sum().to(q.dtype) if q is not None and ctx.needs_input_grad[2] else None
         grad_a = grad_a.to(a.dtype) if a is not None and ctx.needs_input_grad[3] else None
-        grad_mag = grad_mag.to(ctx.dtypes[1]) if mag is not None and ctx.needs_input_grad[4] else None
+        grad_mag = grad_mag.to(ctx.mag_dtype) if mag is not None and ctx.needs_input_grad[4] else None
         grad_sq = None
         if ctx.needs_input_grad[1]:
             grad_sq = grad_m.mul_(0.5).div_(sq.clamp_min(eps * eps).sqrt_()).mul_(sq >= eps * eps)

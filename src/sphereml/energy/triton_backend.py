@@ -63,11 +63,12 @@ from torch import Tensor
 from .kernels import CLOSE_R2
 
 __all__ = ["TRITON_DTYPES", "PRECISIONS", "TUNE_CAP", "triton_importable", "interpreting", "usable_on",
-           "fused_by_default", "matmul_precision", "TritonEnergy", "triton_energy"]
+           "FUSED_BACKENDS", "choose_backend", "matmul_precision", "TritonEnergy", "triton_energy"]
 
 TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 PRECISIONS = {"highest": "ieee", "high": "tf32", "medium": "tf32"}  # torch setting -> tl.dot input_precision
 TUNE_CAP = 32768  # the largest M bucket of the autotuning key
+FUSED_BACKENDS = ("auto", "reference", "fused")  # the backend argument of the fused heads and layers
 _tuned_on_prefix: set = set()
 
 
@@ -88,10 +89,17 @@ def usable_on(points: Tensor) -> bool:
     return triton_importable() and (points.is_cuda or (interpreting() and points.device.type == "cpu"))
 
 
-def fused_by_default(x: Tensor) -> bool:
-    """What ``backend="auto"`` of the fused layers and heads picks: CUDA tensors with Triton installed, unless
-    ``SPHEREML_FUSED=0`` (a switch back to the reference paths on a GPU box, for a comparison or a workaround)."""
-    return x.is_cuda and triton_importable() and os.environ.get("SPHEREML_FUSED", "1") != "0"
+def choose_backend(backend: str, x: Tensor, fusable: bool = True) -> str:
+    """``"reference"`` or ``"fused"`` for the fused margin heads and patch layers (:data:`FUSED_BACKENDS`).
+
+    ``"auto"`` is ``"fused"`` for ``fusable`` CUDA tensors with Triton installed, unless ``SPHEREML_FUSED=0`` (a
+    switch back to the reference paths on a GPU box, for a comparison or a workaround)."""
+    if backend not in FUSED_BACKENDS:
+        raise ValueError(f"backend must be one of {FUSED_BACKENDS}, got {backend!r}")
+    if backend != "auto":
+        return backend
+    on = fusable and x.is_cuda and triton_importable() and os.environ.get("SPHEREML_FUSED", "1") != "0"
+    return "fused" if on else "reference"
 
 
 def matmul_precision() -> str:
