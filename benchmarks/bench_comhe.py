@@ -10,7 +10,6 @@ counted too (about one kernel launch each on a GPU); on CUDA every candidate als
 
 from __future__ import annotations
 
-import os
 import sys
 
 import torch
@@ -19,7 +18,7 @@ from sphereml import models
 from sphereml.comhe import CoMHE
 from sphereml.regularizers import MHE
 
-from .harness import SMOKE, compare, training_step
+from .harness import SMOKE, compare, compiling, training_step
 
 COMPILED = ("none", "HS-MHE", "RP-CoMHE", "G-CoMHE")  # on CUDA, also timed compiled
 REGULARIZERS = {
@@ -39,7 +38,7 @@ def run(device: torch.device, batch: int = 128, widths: tuple[int, int, int] = (
     if SMOKE:
         batch, widths, names = 2, (4, 8, 8), names[:2]
     if compiled is None:  # never in a smoke run: compiling takes longer than everything else
-        compiled = device.type == "cuda" and os.environ.get("SPHEREML_BENCH_COMPILE", "1") == "1" and not SMOKE
+        compiled = compiling(device)
     g = torch.Generator().manual_seed(0)
     x = torch.randn(batch, 3, 32, 32, generator=g).to(device)
     y = torch.randint(0, 100, (batch,), generator=g).to(device)

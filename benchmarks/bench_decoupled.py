@@ -4,7 +4,10 @@ Candidates: ``nn.Conv2d`` (the baseline), the operator the issue names (TanhConv
 normalised by E{||x||}, thesis eq. C.1), the same with a learned rho, SegConv x square cosine (the
 best no-ReLU operator of Table 4.3), the readable unfold definition
 (:func:`~sphereml.decoupled.decoupled_conv2d_reference`), and on CUDA the TanhConv layer under
-``torch.compile``.  B=32, 64 -> 64 channels, 32x32, 3x3 (and B=128, 128 channels on CUDA).
+``torch.compile``, and the functional TanhConv x cosine (rho 1) through the reference nodes and through the
+fused Triton epilogue (:mod:`sphereml.patch_epilogue`).  Result files of 2026-11-27 were measured when the
+layers took the fused epilogue on CUDA (their ``note`` says so).
+B=32, 64 -> 64 channels, 32x32, 3x3 (and B=128, 128 channels on CUDA).
 Goal: TanhConv x cosine at most 1.5x Conv2d.
 """
 
@@ -12,10 +15,10 @@ from __future__ import annotations
 
 import torch
 
-from sphereml.decoupled import DecoupledConv2d, decoupled_conv2d_reference
+from sphereml.decoupled import DecoupledConv2d, decoupled_conv2d, decoupled_conv2d_reference
 from sphereml.timing import forward_backward
 
-from .harness import compare, smoke_or
+from .harness import compare, compiling, smoke_or
 
 K = 3
 SIZES = [(32, 64, 32), (128, 128, 32)]  # (batch, channels, side); the second on CUDA only
@@ -36,8 +39,12 @@ def run(device: torch.device, sizes: list[tuple[int, int, int]] | None = None, r
                      "TanhConv cosine, learned rho": learned, "SegConv square cosine": seg,
                      "unfold definition (tanh)": lambda inp: decoupled_conv2d_reference(
                          inp, tanh.weight, padding=1, magnitude="tanh", radius=1.0)}
-        if device.type == "cuda":
+        if compiling(device):
             operators["TanhConv cosine (compiled)"] = torch.compile(tanh)
+        if device.type == "cuda":
+            for backend in ("reference", "fused"):
+                operators[f"TanhConv cosine, rho 1 ({backend} epilogue)"] = lambda inp, b=backend: decoupled_conv2d(
+                    inp, tanh.weight, padding=1, magnitude="tanh", backend=b)
         name = "decoupled_fwd_bwd" if (b, c, side) == SIZES[0] else f"decoupled_fwd_bwd_b{b}_c{c}_s{side}"
         print(f"--- decoupled operators, B={b}, {c} -> {c} channels, {side}x{side}")
         results[name] = compare(name, forward_backward(operators, x, target), baseline="nn.Conv2d", device=device,

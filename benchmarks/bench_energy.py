@@ -22,7 +22,8 @@ N = 2^20).
   (tiled) reference; the dense / triton (float32) and dense / tiled (float64) crossovers at
   d = 256 (they set ``TRITON_ABOVE`` and ``TILED_ABOVE_CUDA``); and N = 2^20, d = 512 with triton
   (one fwd + bwd) at the most accurate precision whose time, extrapolated from N = 32,768,
-  stays under ``HUGE_TARGET_S``.
+  stays under ``HUGE_TARGET_S``.  The scaling study runs on CUDA only when asked for
+  (``--only scaling``: ``gpu_check.sh scaling``), since it takes longer than the rest.
 
 ``--compile-check`` compiles every kernel configuration for sm_90 on the CPU (no GPU) and
 prints registers and spills from ``ptxas -v``.
@@ -391,8 +392,28 @@ def _crossover_spec(plan: str, smoke: bool) -> dict:
     return dict(kind="crossover", d=16 if smoke else 256, sizes=sizes, pairs=pairs, repeats=3, timeout=150)
 
 
-def _run_cuda_plan(run: _Runner, result: dict, smoke: bool) -> None:
+CUDA_PARTS = ("main", "crossover", "huge")  # the CUDA plan without --only; "scaling" is a part of its own
+
+
+def _run_cuda_plan(run: _Runner, result: dict, smoke: bool, only: set | None) -> None:
+    parts = set(CUDA_PARTS) if only is None else only
     n, d = (64, 16) if smoke else (32768, 512)
+    suite = {}
+    if "main" in parts:
+        suite = _run_cuda_main(run, result, n, d)
+    if "crossover" in parts:
+        crossover = run({k: v for k, v in _crossover_spec("cuda", smoke).items() if k != "timeout"}, timeout=150)
+        result["crossover"] = {k: v for k, v in crossover.items() if " vs " in k} or crossover
+        _show_crossover(result["crossover"]) if crossover.get("ok") else print(f"energy crossover failed: {crossover}")
+    if "scaling" in parts:
+        backends = ("dense", "tiled", "triton") + (("keops",) if _keops_importable() else ())
+        result["scaling"] = run_scaling(run, backends, SCALING_SIZES_CUDA, 0, smoke)
+    if "huge" in parts:
+        _run_cuda_huge(run, result, suite, n, d, smoke)
+
+
+def _run_cuda_main(run: _Runner, result: dict, n: int, d: int) -> dict:
+    """Dense against the fused kernel at each float32 matmul precision, N = n, d = d; the suite's result."""
     dense = run(dict(kind="fwd_bwd", n=n, d=d, backend="dense", repeats=3, forward=True), timeout=150)
     result["runs"].append(dense)
     _show(dense)
@@ -411,17 +432,16 @@ def _run_cuda_plan(run: _Runner, result: dict, smoke: bool) -> None:
         if dense.get("ok"):
             print(f"energy N={n} d={d} triton {precision:7s} / dense: x{r['seconds'] / dense['seconds']:.2f} time, "
                   f"x{r['peak_bytes'] / max(dense['peak_bytes'], 1):.4f} peak memory")
-    crossover = run({k: v for k, v in _crossover_spec("cuda", smoke).items() if k != "timeout"}, timeout=150)
-    result["crossover"] = {k: v for k, v in crossover.items() if " vs " in k} or crossover
-    _show_crossover(result["crossover"]) if crossover.get("ok") else print(f"energy crossover failed: {crossover}")
+    return suite
+
+
+def _run_cuda_huge(run: _Runner, result: dict, suite: dict, n: int, d: int, smoke: bool) -> None:
     # N = 2^20: the most accurate precision whose time extrapolated from N (x (2^20 / N)^2) fits HUGE_TARGET_S
     huge_n = 128 if smoke else 2**20
     measured = suite.get("precisions", {})
     precision = next((p for p in PRECISIONS if p in measured
                       and measured[p]["seconds"] * (huge_n / n) ** 2 <= HUGE_TARGET_S), "medium")
     estimate = measured.get(precision, {}).get("seconds", 0.1) * (huge_n / n) ** 2
-    backends = ("dense", "tiled", "triton") + (("keops",) if _keops_importable() else ())
-    result["scaling"] = run_scaling(run, backends, SCALING_SIZES_CUDA, 0, smoke)
     huge = run(dict(kind="huge", n=huge_n, d=d, precision=precision, backend="triton"),
                timeout=max(60.0, min(300.0, 2.5 * estimate + 30)))
     result["runs"].append(huge)
@@ -474,7 +494,7 @@ def run(device: torch.device, smoke: bool | None = None, plan: str | None = None
     result = {"benchmark": "energy_fwd_bwd", "plan": plan, "smoke": smoke, "runs": []}
     run_spec = _Runner(device, inline)
     if plan == "cuda":
-        _run_cuda_plan(run_spec, result, smoke)
+        _run_cuda_plan(run_spec, result, smoke, only)
     else:
         _run_cpu_plan(run_spec, result, smoke, only)
     if smoke:
@@ -524,7 +544,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, nothing saved")
     parser.add_argument("--plan", choices=("cpu", "cuda"), help="the plan to run (default: the device's)")
     parser.add_argument("--inline", action="store_true", help="run the cases in this process (smoke runs)")
-    parser.add_argument("--only", help="comma-separated parts of the CPU plan: main, crossover, scaling, emulated")
+    parser.add_argument("--only", help="comma-separated parts of the plan: main, crossover, scaling, emulated (CPU); "
+                                       "main, crossover, scaling, huge (CUDA, whose default leaves out scaling)")
     parser.add_argument("--compile-check", type=int, metavar="ARCH", nargs="?", const=90,
                         help="compile every kernel configuration for sm_ARCH (default 90) on the CPU and report "
                              "registers and spills (no GPU needed)")

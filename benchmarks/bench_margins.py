@@ -8,21 +8,22 @@ On CUDA the kernels of ArcFace at the large size are listed from the PyTorch pro
 time) and saved beside the timings, to show where a head's time goes.  ``SPHEREML_BENCH_COMPILE=0`` skips
 the compiled candidates (their compilation takes most of the run's time).
 
-On CUDA the heads take the fused cross-entropy (:mod:`sphereml.margin_ce`, Triton); ArcFace and L-Softmax
-also run with ``backend="reference"`` (autograd over the B x C logits), the path the CPU keeps.
+The heads take the reference path (the default: autograd over the B x C logits); on CUDA ArcFace and
+L-Softmax also run with ``backend="fused"`` (the fused cross-entropy of :mod:`sphereml.margin_ce`, Triton).
+Result files of 2026-11-27 were measured when the heads took the fused path on CUDA: there the plain rows
+are fused and the "(reference)" rows the reference (their ``note`` says so).
 :func:`compile_check` compiles the fused kernels for sm_90 on a machine without a GPU.
 """
 
 from __future__ import annotations
 
-import os
 
 import torch
 import torch.nn.functional as F
 
 from sphereml.margins import ArcFaceLoss, ASoftmaxLoss, CosFaceLoss, LambdaSchedule, LSoftmaxLoss
 
-from .harness import compare, save, smoke_or
+from .harness import compare, compiling, save, smoke_or
 
 SIZES = [(256, 512, 10_000), (512, 512, 100_000)]  # (batch, in_features, classes); the second on CUDA only
 
@@ -66,7 +67,7 @@ def _profile(head, x, y) -> list[dict]:
 def run(device: torch.device) -> dict:
     results = {}
     sizes = smoke_or(SIZES if device.type == "cuda" else SIZES[:1], [(8, 16, 32)])
-    compile_heads = device.type == "cuda" and os.environ.get("SPHEREML_BENCH_COMPILE", "1") != "0"
+    compile_heads = compiling(device)
     for b, d, c in sizes:
         x, y = _inputs(b, d, c, device)
         linear = torch.nn.Linear(d, c, bias=False).to(device)
@@ -80,9 +81,9 @@ def run(device: torch.device) -> dict:
             head.to(device)
             candidates[label] = lambda h=head: step(lambda: h.loss(x, y))
             if device.type == "cuda" and label in ("ArcFace", "L-Softmax m=4"):
-                reference = _heads(d, c)[label].to(device)
-                reference.backend = "reference"
-                candidates[f"{label} (reference)"] = lambda h=reference: step(lambda: h.loss(x, y))
+                fused = _heads(d, c)[label].to(device)
+                fused.backend = "fused"
+                candidates[f"{label} (fused)"] = lambda h=fused: step(lambda: h.loss(x, y))
             if compile_heads and ((b, d, c) == SIZES[1] or label == "ArcFace"):
                 compiled = torch.compile(head.loss)
                 candidates[f"{label} (compiled)"] = lambda f=compiled: step(lambda: f(x, y))

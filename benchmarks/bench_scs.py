@@ -3,9 +3,10 @@
 Candidates: ``nn.Conv2d`` (the baseline), SCS with fixed p and q, SCS with learned p (per kernel) and q,
 the unfold formulation of public ports (:func:`~sphereml.scs.scs_conv2d_reference`), and on CUDA each SCS
 layer under ``torch.compile``.  B=32, 64 -> 64 channels, 32x32, 3x3 (and B=128, 128 channels on CUDA).
-Goal: at most 1.5x Conv2d on the CPU.  On CUDA the layers take the fused epilogue
-(:mod:`sphereml.patch_epilogue`); "SCS fixed p, q (reference epilogue)" times the same layer through the
-reference nodes, the path the CPU keeps.
+Goal: at most 1.5x Conv2d on the CPU.  The layers take the reference nodes (the default); on CUDA
+"SCS fixed p, q (fused epilogue)" times the same layer through the fused Triton epilogue
+(:mod:`sphereml.patch_epilogue`, ``backend="fused"``).  Result files of 2026-11-27 were measured when the
+layers took the fused epilogue on CUDA (their ``note`` says so).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from sphereml.patches import patch_cosine2d
 from sphereml.scs import SharpenedCosineSimilarity2d, scs_conv2d_reference
 from sphereml.timing import forward_backward
 
-from .harness import compare, smoke_or
+from .harness import compare, compiling, smoke_or
 
 K = 3
 SIZES = [(32, 64, 32), (128, 128, 32)]  # (batch, channels, side); the second on CUDA only
@@ -33,10 +34,11 @@ def run(device: torch.device) -> dict:
         learned = SharpenedCosineSimilarity2d(c, c, K, padding=1, learnable=True).to(device)
         operators = {"nn.Conv2d": conv, "SCS fixed p, q": fixed, "SCS learned p, q": learned,
                      "unfold (port style)": lambda inp: scs_conv2d_reference(inp, fixed.weight, 2.0, 1e-3, padding=1)}
-        if device.type == "cuda":
+        if compiling(device):
             operators["SCS learned p, q (compiled)"] = torch.compile(learned)
-            operators["SCS fixed p, q (reference epilogue)"] = lambda inp: patch_cosine2d(
-                inp, fixed.weight, padding=1, q=1e-3, power=2.0, backend="reference")
+        if device.type == "cuda":
+            operators["SCS fixed p, q (fused epilogue)"] = lambda inp: patch_cosine2d(
+                inp, fixed.weight, padding=1, q=1e-3, power=2.0, backend="fused")
         name = "scs_fwd_bwd" if (b, c, side) == SIZES[0] else f"scs_fwd_bwd_b{b}_c{c}_s{side}"
         print(f"--- sharpened cosine similarity, B={b}, {c} -> {c} channels, {side}x{side}")
         results[name] = compare(name, forward_backward(operators, x, target), baseline="nn.Conv2d", device=device,

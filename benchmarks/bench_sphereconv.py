@@ -4,9 +4,11 @@ Candidates: ``nn.Conv2d`` (the baseline, eager), each SphereConv angular functio
 ``unfold`` formulation of public ports (patches materialised as a Tensor[B, C*9, H*W]), which is the
 library's readable reference :func:`~sphereml.sphereconv.sphere_conv2d_reference`, and, on CUDA, the
 layers under ``torch.compile`` (which fuses the patch-norm division and g into the convolution's
-neighbours) and under bfloat16 autocast.  On CUDA the layers take the fused epilogue
-(:mod:`sphereml.patch_epilogue`); the "(reference epilogue)" rows time cosine and sigmoid through the
-reference nodes, the path the CPU keeps.
+neighbours) and under bfloat16 autocast.  The layers take the reference nodes after the convolution (the
+default); on CUDA the "(fused epilogue)" rows time cosine and sigmoid through the fused Triton epilogue
+(:mod:`sphereml.patch_epilogue`, ``backend="fused"``).  Result files of 2026-11-27 were measured when the
+layers took the fused epilogue on CUDA: there the plain rows are fused and "(reference epilogue)" rows
+the reference (their ``note`` says so).
 
 * CPU: B=32, 64 -> 64 channels, 32x32, 3x3 (goal: cosine at most 1.3x Conv2d).
 * CUDA: the same size plus B=128 128 ch 32x32 and B=64 256 ch 16x16 (goal: cosine at most 1.3x Conv2d
@@ -21,7 +23,7 @@ from sphereml.patches import patch_cosine2d
 from sphereml.sphereconv import SphereConv2d, sphere_conv2d_reference
 from sphereml.timing import forward_backward
 
-from .harness import compare, smoke_or
+from .harness import compare, compiling, smoke_or
 
 K = 3
 CPU_SIZES = [(32, 64, 32)]  # (batch, channels, side)
@@ -46,12 +48,12 @@ def _candidates(size, device: torch.device, dtype: torch.dtype | None) -> dict:
     for label, layer in _layers(c, device).items():
         if dtype is None or "cosine" in label:
             operators[label] = layer
-        if device.type == "cuda" and size == COMPILED_SIZE and (dtype is None or "cosine" in label):
+        if compiling(device) and size == COMPILED_SIZE and (dtype is None or "cosine" in label):
             operators[f"{label} (compiled)"] = torch.compile(layer)
     if device.type == "cuda":
         for angular in ("cosine", "sigmoid") if dtype is None else ("cosine",):
-            operators[f"SphereConv2d {angular} (reference epilogue)"] = lambda inp, a=angular: patch_cosine2d(
-                inp, conv.weight, padding=1, angular=a, k=0.3, backend="reference")
+            operators[f"SphereConv2d {angular} (fused epilogue)"] = lambda inp, a=angular: patch_cosine2d(
+                inp, conv.weight, padding=1, angular=a, k=0.3, backend="fused")
     if dtype is None:
         operators["unfold cosine (port style)"] = lambda inp: sphere_conv2d_reference(inp, conv.weight, padding=1)
     return forward_backward(operators, x, target, dtype)

@@ -12,7 +12,7 @@ from sphereml.launches import count_ops
 from sphereml.timing import compare as compare_round_robin
 from sphereml.timing import device_name, environment, peak_memory, save_result, training_step
 
-__all__ = ["RESULTS", "SMOKE", "smoke_or", "compare", "device_name", "environment", "save",
+__all__ = ["RESULTS", "SMOKE", "smoke_or", "compiling", "compare", "device_name", "environment", "save",
            "training_step"]
 
 # SPHEREML_BENCH_RESULTS sends the JSON elsewhere (the smoke test writes to a temporary folder).
@@ -25,6 +25,13 @@ SMOKE = os.environ.get("SPHEREML_BENCH_SMOKE", "0") == "1"
 def smoke_or(full, tiny):
     """``tiny`` in a smoke run, ``full`` otherwise."""
     return tiny if SMOKE else full
+
+
+def compiling(device: torch.device) -> bool:
+    """Whether a benchmark also times ``torch.compile`` candidates: on CUDA, never in a smoke run (compiling
+    takes longer than the rest of the suite, which the tests run on a GPU box too), and not with
+    ``SPHEREML_BENCH_COMPILE=0``."""
+    return device.type == "cuda" and not SMOKE and os.environ.get("SPHEREML_BENCH_COMPILE", "1") != "0"
 
 
 def save(result: dict, name: str, device: torch.device) -> Path:

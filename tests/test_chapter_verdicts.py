@@ -1,4 +1,5 @@
-"""Every chapter decides its claims with the one rule of ``sphereml.verdicts`` and keeps no rule of its own."""
+"""Every chapter decides its claims with the one rule of ``sphereml.verdicts`` and keeps no rule of its own; every
+chapter runs as a plain script on a machine without the notebook packages."""
 
 import ast
 from pathlib import Path
@@ -99,3 +100,22 @@ def test_every_claim_says_what_it_is_about(path):
         kind = next((k.value for k in call.keywords if k.arg == "kind"), None)
         assert isinstance(kind, ast.Constant) and kind.value in CLAIM_KINDS, \
             f"{path.stem}: the claim at code line {call.lineno} has no kind from {CLAIM_KINDS}"
+
+
+# what a GPU box has (numpy, matplotlib, torch, the standard library) besides sphereml: no IPython, papermill or
+# jupytext there, and the chapters run there as plain scripts (benchmarks/gpu_check.sh chapters)
+SCRIPT_IMPORTS = {"sphereml", "torch", "numpy", "matplotlib"}
+
+
+@pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.stem)
+def test_chapter_runs_as_a_script_without_notebook_packages(path):
+    import sys
+
+    modules = set()
+    for node in ast.walk(_code(path)):
+        if isinstance(node, ast.Import):
+            modules |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            modules.add(node.module.split(".")[0])
+    foreign = sorted(modules - SCRIPT_IMPORTS - set(sys.stdlib_module_names))
+    assert not foreign, f"{path.stem} imports {foreign}: a GPU box runs the chapter as a script without them"

@@ -7,7 +7,6 @@ import json
 import math
 from pathlib import Path
 
-import nbformat
 import pytest
 
 from sphereml import book, conclusion, errata
@@ -325,6 +324,8 @@ def test_the_table_follows_one_changed_claim(tmp_path):
 @pytest.mark.notebook
 def test_the_chapter_reads_the_ledger_it_is_given(tmp_path, monkeypatch):
     """The chapter, run on a hand-made ledger, shows that ledger's counts: nothing on the page is typed in."""
+    import nbformat  # with papermill, which runs the chapter; neither is on a GPU box
+
     monkeypatch.setenv("SPHEREML_PROFILE", "smoke")
     snapshot = {"chapters": {"06_mhe": {"cpu": _run([
         _claim("x1", HOLDS, ours={"MHE": 84.9, "baseline": 84.0, "noise": 0.5}),

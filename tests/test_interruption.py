@@ -24,15 +24,16 @@ TRAIN = textwrap.dedent("""
     from sphereml import _io, train
     torch.set_num_threads(1)
     out = sys.argv[1]
+    pause_at = int(sys.argv[2]) if len(sys.argv) > 2 else -1  # the step where the run waits to be killed
     g = torch.Generator().manual_seed(0)
     x = torch.randn(512, 8, generator=g)
     y = (x[:, 0] + x[:, 1] > 0).long()
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Dropout(0.2), torch.nn.Linear(16, 2))
 
-    def slow(state):  # a slow epoch, so that a kill lands inside one; prints the step for the parent
-        time.sleep(0.01)
+    def slow(state):  # prints the step for the parent, and waits at pause_at, so that the kill lands there
         print(state.step, flush=True)
+        time.sleep(300 if state.step == pause_at else 0.01)
 
     history = train.fit(model, torch.utils.data.TensorDataset(x, y), epochs=4, batch_size=32, lr=0.01,
                         optimizer="sgd", checkpoint=f"{out}/run.pt", callbacks=[slow], device="cpu",
@@ -44,8 +45,9 @@ TRAIN = textwrap.dedent("""
 STEPS_PER_EPOCH = 512 // 32
 
 
-def _start(out: Path) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-c", TRAIN, str(out)], stdout=subprocess.PIPE, text=True, env=ENV)
+def _start(out: Path, pause_at: int = -1) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", TRAIN, str(out), str(pause_at)], stdout=subprocess.PIPE,
+                            text=True, env=ENV)
 
 
 def _finish(out: Path) -> dict:
@@ -62,8 +64,8 @@ def uninterrupted(tmp_path_factory):
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
 def test_a_run_killed_mid_epoch_resumes_to_the_same_result(sig, tmp_path, uninterrupted):
-    proc = _start(tmp_path)
     kill_at = 2 * STEPS_PER_EPOCH + STEPS_PER_EPOCH // 2  # halfway through the third epoch
+    proc = _start(tmp_path, pause_at=kill_at)  # waits there: a loaded machine cannot let it run past the kill
     for line in proc.stdout:
         if int(line) == kill_at:
             proc.send_signal(sig)

@@ -219,6 +219,33 @@ def test_fused_decoupled_operator_matches_float64_reference(magnitude, angular):
         torch.testing.assert_close(b.double().cpu(), a, rtol=0, atol=tolerance * max(float(a.abs().max()), 1e-12))
 
 
+def test_a_radius_per_channel_keeps_the_reference_path_and_its_values():
+    """The released DCNets code learns one radius per output channel: h(||x||) then differs per channel, which
+    the fused epilogue (one factor per group and position) cannot take, so the fused backend computes it on the
+    reference nodes, with the reference's values and gradients (an H200 run of chapter 4 failed here)."""
+    from sphereml.decoupled import decoupled_conv2d
+
+    x = torch.randn(2, 4, 6, 6, generator=torch.Generator().manual_seed(13))
+    w = torch.randn(5, 4, 3, 3, generator=torch.Generator().manual_seed(14))
+
+    def run(backend):
+        xx, ww = (v.to(DEVICE).requires_grad_(True) for v in (x, w))
+        rho = torch.linspace(0.5, 2.0, 5, device=DEVICE).view(5, 1, 1).requires_grad_(True)
+        out = decoupled_conv2d(xx, ww, padding=1, magnitude="tanh", rho=rho, backend=backend)
+        out.square().sum().backward()
+        return out.detach(), xx.grad, ww.grad, rho.grad
+    for ref, fused in zip(run("reference"), run("fused")):
+        torch.testing.assert_close(fused, ref, rtol=1e-5, atol=1e-6)
+
+
+def test_a_magnitude_of_another_shape_is_refused():
+    from sphereml.patch_epilogue import fused_epilogue
+
+    inner, sq = torch.randn(2, 5, 3, 3, device=DEVICE), torch.rand(2, 1, 3, 3, device=DEVICE) + 0.5
+    with pytest.raises(ValueError, match="magnitude must have the patch norms' shape"):
+        fused_epilogue(inner, sq, None, "cosine", None, 1, 1e-6, magnitude=torch.ones(2, 5, 3, 3, device=DEVICE))
+
+
 def test_weighted_decoupled_operators_keep_the_reference_path():
     from sphereml.decoupled import decoupled_conv2d
 
@@ -228,13 +255,18 @@ def test_weighted_decoupled_operators_keep_the_reference_path():
     assert counts["reference"] == counts["fused"] and "sphereml::patch_epilogue" not in counts["fused"]
 
 
-def test_auto_switches_back_to_the_reference_paths(monkeypatch):
-    """SPHEREML_FUSED=0 makes "auto" take the reference paths of the patch layers and the margin heads on a GPU
-    box too (on this machine "auto" is the reference path anyway; the switch is read at each call)."""
+def test_fused_kernels_are_an_opt_in(monkeypatch):
+    """"auto" takes the reference paths of the patch layers and the margin heads, on a GPU box too, unless
+    SPHEREML_FUSED=1 (the fused kernels were measured slower on an H200); the switch is read at each call."""
     from sphereml.energy.triton_backend import choose_backend, triton_importable
 
     cuda_like = type("CudaLike", (), {"is_cuda": True})()
+    monkeypatch.delenv("SPHEREML_FUSED", raising=False)
+    assert choose_backend("auto", cuda_like) == "reference"
     monkeypatch.setenv("SPHEREML_FUSED", "0")
     assert choose_backend("auto", cuda_like) == "reference"
     monkeypatch.setenv("SPHEREML_FUSED", "1")
     assert (choose_backend("auto", cuda_like) == "fused") == triton_importable()
+    assert choose_backend("auto", cuda_like, fusable=False) == "reference"
+
+

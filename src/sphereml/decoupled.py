@@ -149,7 +149,7 @@ def _conv_parts(x: Tensor, weight: Tensor, stride, padding, dilation, groups: in
     """(u = conv(x, w_hat) Tensor[B, C_out, H', W'], patch norms Tensor[B, G, H', W'], ||w|| Tensor[C_out], fuse):
     everything the operator needs from a convolution (Note [decoupled operator by convolution]).  ``fuse(angular,
     k, h)`` is h g(theta) by the fused epilogue of :mod:`~sphereml.patch_epilogue` where ``backend`` resolves to
-    it (``"auto"``: on CUDA), else False."""
+    it (``"auto"``: with ``SPHEREML_FUSED=1`` on CUDA), else False."""
     kernel_size = tuple(weight.shape[2:])
     stride, dilation = pair(stride, "stride", 1), pair(dilation, "dilation", 1)
     x, padding = explicit_padding(x, padding, kernel_size, stride, dilation)
@@ -183,7 +183,9 @@ def _response(inner: Tensor, norm: Tensor, w_norm: Tensor, magnitude: str, angul
     """h g from u = w_hat . x (Tensor[B, C, ...]), the patch norms (Tensor[B, G, ...]) and ||w|| (Tensor[C]);
     unweighted operators through ``fuse`` (see :func:`_conv_parts`) where it is given."""
     if fuse and weighted is None and per_channel(k, inner.shape[1]):
-        return fuse(angular, k, magnitude_function(norm, magnitude, alpha, beta, radius))
+        h = magnitude_function(norm, magnitude, alpha, beta, radius)
+        if h.shape == norm.shape:  # one factor per group and position (a radius per channel gives one per channel)
+            return fuse(angular, k, h)
     shape = (-1,) + (1,) * (inner.dim() - 2)  # ||w|| broadcast over the channel axis
     w_norm = w_norm.view(shape)
     if weighted == "tanh_joint":  # eq. 4.15: alpha tanh(||x|| ||w|| / r) g
@@ -225,7 +227,8 @@ def decoupled_conv2d(x: Tensor, weight: Tensor, stride=1, padding=0, dilation=1,
             (Note [radius normalisation]).
         eps (float): patch-norm floor (a zero patch outputs 0).
         backend (str): ``"auto"``, ``"reference"`` or ``"fused"``: the unweighted operators' g and h in the fused
-            epilogue of :mod:`~sphereml.patch_epilogue` (``"auto"``: on CUDA). Default: ``"auto"``.
+            epilogue of :mod:`~sphereml.patch_epilogue` (``"auto"``: with ``SPHEREML_FUSED=1`` on CUDA).
+            Default: ``"auto"``.
 
     Returns:
         Tensor[B, C_out, H', W'].

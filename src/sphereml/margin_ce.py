@@ -23,8 +23,8 @@ Only B values change, so the head computes t_b itself in O(B d) from the label r
   custom operators (``torch.ops.sphereml.margin_ce_lse`` / ``margin_ce_grad``), so the fused loss
   traces under ``torch.compile(fullgraph=True)``.  The loss scale stays a device tensor (no host copy).
 
-``"auto"`` takes ``"fused"`` on CUDA tensors with Triton installed (unless ``SPHEREML_FUSED=0``) and
-``"reference"`` otherwise.
+``"auto"`` takes ``"reference"``, or ``"fused"`` on CUDA tensors with Triton installed where
+``SPHEREML_FUSED=1`` (:func:`~sphereml.energy.triton_backend.choose_backend` gives the measurements).
 """
 
 from __future__ import annotations

@@ -78,7 +78,8 @@ class _MarginHead(nn.Module):
     """Shared parts: the weight, input checks, the target-logit swap and the loss.
 
     ``backend`` chooses how the B x C part of :meth:`loss` runs (:func:`~sphereml.margin_ce.margin_cross_entropy`):
-    ``"auto"`` (default: fused kernels on CUDA), ``"reference"`` or ``"fused"``.  Heads whose logits are
+    ``"auto"`` (default: the reference path; the fused kernels on CUDA with ``SPHEREML_FUSED=1``), ``"reference"``
+    or ``"fused"``.  Heads whose logits are
     not a product x W^T scaled per column (GA-Softmax) always take the reference path.
     """
 

@@ -29,7 +29,7 @@ EPILOGUES = ("cosine", "sharpen", "linear", "sigmoid", "sqcosine")  # the kernel
 
 def resolve_backend(backend: str, x: Tensor) -> str:
     """``"reference"`` or ``"fused"``: ``"auto"`` fuses float32 and half CUDA tensors when Triton is installed
-    (unless ``SPHEREML_FUSED=0``)."""
+    and ``SPHEREML_FUSED=1`` (an opt-in: :func:`~sphereml.energy.triton_backend.choose_backend`)."""
     fusable = x.dtype != torch.float64 and usable_on(x)
     backend = choose_backend(backend, x, fusable)
     if backend == "fused" and not fusable:
@@ -163,6 +163,9 @@ def fused_epilogue(inner: Tensor, sq: Tensor, q: Tensor | float | None, epilogue
         magnitude (Tensor[B, G, H', W'], optional): a factor per position and group (the decoupled operators'
             h(||x||)); it gets its gradient.
     """
+    if magnitude is not None and magnitude.shape != sq.shape:
+        raise ValueError(f"magnitude must have the patch norms' shape {tuple(sq.shape)} (one factor per group and "
+                         f"position), got {tuple(magnitude.shape)}")
     if epilogue not in ("sharpen", "sigmoid"):
         param = None
     elif isinstance(param, Tensor):

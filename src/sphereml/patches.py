@@ -27,13 +27,16 @@ Note [fused epilogue]
     After the convolution the layer's work is elementwise: divide each inner product by its patch norm (+ q),
     clamp, and for SCS sharpen.  Eagerly that is a pass over the B x C_out x H' x W' output per operation:
     forward + backward, 8 such operations for the cosine, 19 for linear g, 26 for sigmoid g (32 with a learned
-    k), 17 for SCS (23 with learned p and q), against 3 for ``nn.Conv2d``.  On CUDA (``backend="auto"``) one
+    k), 17 for SCS (23 with learned p and q), against 3 for ``nn.Conv2d``.  With ``backend="fused"`` one
     Triton kernel does it all forward and one backward, for every angular activation and for the sharpening
     (:mod:`sphereml.patch_epilogue`): 5 in every case (the convolution, its backward, the two kernels, and a
     loss's sum), reading the inner products once; the patch norms still come from the depthwise convolution
     above.  Counted on the CPU by ``tests/test_patch_epilogue.py``.  The fused output keeps the input's dtype
-    (bf16 stays bf16, as a convolution's); the reference path promotes half inputs to float32.  The CPU keeps
-    the reference path.
+    (bf16 stays bf16, as a convolution's); the reference path promotes half inputs to float32.  Fewer passes
+    did not make it faster: on an H200 the fused layer took longer than the reference nodes in every shape
+    timed, and under ``torch.compile`` the opaque kernel keeps inductor from fusing the epilogue itself, so
+    ``"auto"`` takes the reference path unless ``SPHEREML_FUSED=1``
+    (:func:`~sphereml.energy.triton_backend.choose_backend`).
 
 Note [patch norm without overflow]
     In float32 and bfloat16 the square of 1e19 is inf and that of 1e-20 is 0.  Each sample is
@@ -303,7 +306,7 @@ def patch_cosine2d(x: Tensor, weight: Tensor, stride=1, padding=0, dilation=1, g
         k (float or Tensor): sigmoid curvature > 0 (one value, or Tensor[C_out, 1, 1] on the fused path; other
             shapes broadcast as in :func:`~sphereml.angular.angular_activation`, on the reference path). Default: 0.5.
         power (float or Tensor, optional): sharpening exponent p > 0 (cosine only), shaped as ``k``.
-        backend (str): ``"auto"`` (fused on CUDA), ``"reference"`` or ``"fused"`` (Triton; float32 or
+        backend (str): ``"auto"`` (the reference unless ``SPHEREML_FUSED=1``), ``"reference"`` or ``"fused"`` (Triton; float32 or
             half). Default: ``"auto"``.
 
     Returns:

@@ -24,7 +24,8 @@ from numbers import Number
 
 from .verdicts import VERDICTS
 
-__all__ = ["describe", "badge", "claim_anchor", "ClaimCard", "VerdictTable", "ledger_table", "Table", "show"]
+__all__ = ["describe", "badge", "claim_anchor", "ClaimCard", "VerdictTable", "ledger_table", "Table", "Markdown",
+           "show"]
 
 _BADGE_CLASS = {name: "verdict-" + name.replace(" ", "-") for name in VERDICTS.values()}
 _LEAD_KEYS = ("difference", "noise", "margin", "seeds", "seed s.d.")  # described after the compared values
@@ -38,6 +39,20 @@ def show(obj) -> None:
         print(repr(obj))
     else:
         display(obj)
+
+
+class Markdown:
+    """Generated prose: rendered as Markdown in a notebook, printed as it is by a script (no IPython needed, as
+    on a GPU box that runs a chapter as a plain script)."""
+
+    def __init__(self, text: str):
+        self.text = text
+
+    def _repr_markdown_(self) -> str:
+        return self.text
+
+    def __repr__(self) -> str:
+        return self.text
 
 
 def _number(value: float) -> str:

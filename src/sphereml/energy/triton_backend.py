@@ -92,13 +92,17 @@ def usable_on(points: Tensor) -> bool:
 def choose_backend(backend: str, x: Tensor, fusable: bool = True) -> str:
     """``"reference"`` or ``"fused"`` for the fused margin heads and patch layers (:data:`FUSED_BACKENDS`).
 
-    ``"auto"`` is ``"fused"`` for ``fusable`` CUDA tensors with Triton installed, unless ``SPHEREML_FUSED=0`` (a
-    switch back to the reference paths on a GPU box, for a comparison or a workaround)."""
+    ``"auto"`` is ``"reference"`` unless ``SPHEREML_FUSED=1``, which makes it ``"fused"`` for ``fusable`` CUDA
+    tensors with Triton installed.  The fused kernels are an opt-in because they were measured slower on an
+    H200 (``benchmarks/results/*-cuda.json``, 2026-11-27): the patch epilogue in every SphereConv and SCS
+    shape timed (B=128, 128 channels, 32x32: 2.47 ms against 2.00 ms eager) and, as an opaque operator, it
+    keeps ``torch.compile`` from fusing the epilogue; the margin heads at C=10,000 (3.31 against 2.14 ms),
+    though 9 % faster at C=100,000."""
     if backend not in FUSED_BACKENDS:
         raise ValueError(f"backend must be one of {FUSED_BACKENDS}, got {backend!r}")
     if backend != "auto":
         return backend
-    on = fusable and x.is_cuda and triton_importable() and os.environ.get("SPHEREML_FUSED", "1") != "0"
+    on = fusable and x.is_cuda and triton_importable() and os.environ.get("SPHEREML_FUSED", "0") == "1"
     return "fused" if on else "reference"
 
 
