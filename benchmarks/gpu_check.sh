@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The one command for a GPU box, from the repository root (no papermill, jupytext or internet needed):
 #
-#   bash benchmarks/gpu_check.sh [tests] [bench[:NAME,NAME...]] [scaling] [chapter:NAME|chapters]
+#   bash benchmarks/gpu_check.sh [tests] [bench[:NAME,NAME...]] [scaling] [profile] [chapter:NAME|chapters]
 #
 # with no argument: tests and bench.  Each part has its own time limit and prints what failed by name:
 #   tests     the test suite on CUDA (pytest -n auto, every file whose packages a GPU box has, TEST_TIMEOUT 300 s
@@ -9,6 +9,7 @@
 #             in $OUT/failures.txt, the whole log in $OUT/tests.txt                      (TESTS_LIMIT, 240 s)
 #   bench     every benchmark on CUDA but the energy's scaling study (or the listed ones) (BENCH_LIMIT, 240 s)
 #   scaling   the energy's scaling study up to N = 2^20                                   (SCALING_LIMIT, 500 s)
+#   profile   each patch layer by backend: wall, host and device time per call, top kernels (PROFILE_LIMIT, 120 s)
 #   chapter:NAME / chapters   a chapter's gpu profile (all nine), run as a script made by jupytext beforehand
 #             (`make gpu-scripts` writes benchmarks/chapters/NAME.py, ignored by git: carry it)
 #             with metrics.json under _build/runs/NAME; SPHEREML_GPU_TINY=1 in the environment
@@ -63,6 +64,9 @@ for part in "${PARTS[@]}"; do
       ;;
     scaling)
       step scaling "${SCALING_LIMIT:-500}" $PY -m benchmarks.bench_energy --only scaling
+      ;;
+    profile)
+      step profile "${PROFILE_LIMIT:-120}" $PY -m benchmarks.profile_layer
       ;;
     chapter:*|chapters)
       chapters=${part#chapter:}

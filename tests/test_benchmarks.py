@@ -123,3 +123,21 @@ def test_the_keops_column_computes_our_energy():
     (grad_theirs,) = torch.autograd.grad(theirs, w)
     torch.testing.assert_close(theirs, ours, rtol=1e-5, atol=0)
     torch.testing.assert_close(grad_theirs, grad_ours, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("layer", ["sphereconv", "sigmoid", "scs", "decoupled"])
+def test_the_layer_profile_runs_and_accounts_for_its_time(layer, monkeypatch, capsys):
+    """benchmarks/profile_layer.py at a tiny size on this machine's device: every candidate timed and profiled
+    (the fused backend only where CUDA is), the host's share of a call never above the call."""
+    import torch
+
+    monkeypatch.syspath_prepend(str(REPO))
+    from benchmarks.profile_layer import profile_layer
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    found = profile_layer(layer, device, size=(2, 4, 8), calls=2, rows=3)
+    expected = {"nn.Conv2d", f"{layer} (reference)"} | ({f"{layer} (fused)"} if device.type == "cuda" else set())
+    assert set(found) == expected
+    for label, seconds in found.items():
+        assert 0 < seconds["host"] <= seconds["wall"], label
+    assert f"--- {layer} (reference): wall" in capsys.readouterr().out
