@@ -15,7 +15,7 @@ import sys
 import torch
 
 from sphereml import models
-from sphereml.comhe import CoMHE
+from sphereml.regularizers.comhe import CoMHE
 from sphereml.regularizers import MHE
 
 from .harness import SMOKE, compare, compiling, training_step

@@ -12,7 +12,7 @@ paper reports about 90 s per convolutional-similarity step for ResNet-18 on an A
 
 import torch
 
-from sphereml.convsim import conv_similarity
+from sphereml.regularizers.convsim import conv_similarity
 from sphereml.timing import median_seconds
 
 from .harness import save, smoke_or

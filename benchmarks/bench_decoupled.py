@@ -3,9 +3,9 @@
 Candidates: ``nn.Conv2d`` (the baseline), the operator the issue names (TanhConv x cosine with the radius
 normalised by E{||x||}, thesis eq. C.1), the same with a learned rho, SegConv x square cosine (the
 best no-ReLU operator of Table 4.3), the readable unfold definition
-(:func:`~sphereml.decoupled.decoupled_conv2d_reference`), and on CUDA the TanhConv layer under
+(:func:`~sphereml.layers.decoupled.decoupled_conv2d_reference`), and on CUDA the TanhConv layer under
 ``torch.compile``, and the functional TanhConv x cosine (rho 1) through the reference nodes and through the
-fused Triton epilogue (:mod:`sphereml.patch_epilogue`).  Result files of 2026-11-27 were measured when the
+fused Triton epilogue (:mod:`sphereml.layers.patch_epilogue`).  Result files of 2026-11-27 were measured when the
 layers took the fused epilogue on CUDA (their ``note`` says so).
 B=32, 64 -> 64 channels, 32x32, 3x3 (and B=128, 128 channels on CUDA).
 Goal: TanhConv x cosine at most 1.5x Conv2d.
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from sphereml.decoupled import DecoupledConv2d, decoupled_conv2d, decoupled_conv2d_reference
+from sphereml.layers.decoupled import DecoupledConv2d, decoupled_conv2d, decoupled_conv2d_reference
 from sphereml.timing import forward_backward
 
 from .harness import compare, compiling, smoke_or

@@ -9,7 +9,7 @@ time) and saved beside the timings, to show where a head's time goes.  ``SPHEREM
 the compiled candidates (their compilation takes most of the run's time).
 
 The heads take the reference path (the default: autograd over the B x C logits); on CUDA ArcFace and
-L-Softmax also run with ``backend="fused"`` (the fused cross-entropy of :mod:`sphereml.margin_ce`, Triton).
+L-Softmax also run with ``backend="fused"`` (the fused cross-entropy of :mod:`sphereml.heads.margin_ce`, Triton).
 Result files of 2026-11-27 were measured when the heads took the fused path on CUDA: there the plain rows
 are fused and the "(reference)" rows the reference (their ``note`` says so).
 :func:`compile_check` compiles the fused kernels for sm_90 on a machine without a GPU.
@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from sphereml.margins import ArcFaceLoss, ASoftmaxLoss, CosFaceLoss, LambdaSchedule, LSoftmaxLoss
+from sphereml.heads.margins import ArcFaceLoss, ASoftmaxLoss, CosFaceLoss, LambdaSchedule, LSoftmaxLoss
 
 from .harness import compare, compiling, save, smoke_or
 
@@ -104,7 +104,7 @@ def run(device: torch.device) -> dict:
 def compile_check(arch: int = 90) -> list[dict]:
     """Compile the fused cross-entropy kernels (float32 and bf16 products, with and without the weight
     norms) for ``sm_<arch>`` on the CPU and print registers and spills.  Must run without TRITON_INTERPRET."""
-    from sphereml import _margin_kernels as kernels
+    from sphereml.heads import _margin_kernels as kernels
 
     from .sm90 import compile_kernel
 

@@ -12,7 +12,8 @@ import sys
 
 import torch
 
-from sphereml import models, opt
+from sphereml import models
+from sphereml.regularizers import opt
 
 from .harness import SMOKE, compare, training_step
 

@@ -1,11 +1,11 @@
 """Forward + backward of ``SharpenedCosineSimilarity2d`` against ``nn.Conv2d`` of the same shape, same run.
 
 Candidates: ``nn.Conv2d`` (the baseline), SCS with fixed p and q, SCS with learned p (per kernel) and q,
-the unfold formulation of public ports (:func:`~sphereml.scs.scs_conv2d_reference`), and on CUDA each SCS
+the unfold formulation of public ports (:func:`~sphereml.layers.scs.scs_conv2d_reference`), and on CUDA each SCS
 layer under ``torch.compile``.  B=32, 64 -> 64 channels, 32x32, 3x3 (and B=128, 128 channels on CUDA).
 Goal: at most 1.5x Conv2d on the CPU.  The layers take the reference nodes (the default); on CUDA
 "SCS fixed p, q (fused epilogue)" times the same layer through the fused Triton epilogue
-(:mod:`sphereml.patch_epilogue`, ``backend="fused"``).  Result files of 2026-11-27 were measured when the
+(:mod:`sphereml.layers.patch_epilogue`, ``backend="fused"``).  Result files of 2026-11-27 were measured when the
 layers took the fused epilogue on CUDA (their ``note`` says so).
 """
 
@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from sphereml.patches import patch_cosine2d
-from sphereml.scs import SharpenedCosineSimilarity2d, scs_conv2d_reference
+from sphereml.layers.patches import patch_cosine2d
+from sphereml.layers.scs import SharpenedCosineSimilarity2d, scs_conv2d_reference
 from sphereml.timing import forward_backward
 
 from .harness import compare, compiling, smoke_or
@@ -47,11 +47,11 @@ def run(device: torch.device) -> dict:
 
 
 def compile_check(arch: int = 90) -> list[dict]:
-    """Compile the fused patch epilogue's kernels (:mod:`sphereml.patch_epilogue`) for ``sm_<arch>`` on the CPU,
+    """Compile the fused patch epilogue's kernels (:mod:`sphereml.layers.patch_epilogue`) for ``sm_<arch>`` on the CPU,
     in the forms the layers use (q and the parameter absent, a number or a tensor; with and without the decoupled
     operators' magnitude); float32 and bf16.
     Prints registers and spills.  Must run without TRITON_INTERPRET."""
-    from sphereml import _patch_kernels as kernels
+    from sphereml.layers import _patch_kernels as kernels
 
     from .sm90 import compile_kernel
 

@@ -2,11 +2,11 @@
 
 Candidates: ``nn.Conv2d`` (the baseline, eager), each SphereConv angular function (eager), the
 ``unfold`` formulation of public ports (patches materialised as a Tensor[B, C*9, H*W]), which is the
-library's readable reference :func:`~sphereml.sphereconv.sphere_conv2d_reference`, and, on CUDA, the
+library's readable reference :func:`~sphereml.layers.sphereconv.sphere_conv2d_reference`, and, on CUDA, the
 layers under ``torch.compile`` (which fuses the patch-norm division and g into the convolution's
 neighbours) and under bfloat16 autocast.  The layers take the reference nodes after the convolution (the
 default); on CUDA the "(fused epilogue)" rows time cosine and sigmoid through the fused Triton epilogue
-(:mod:`sphereml.patch_epilogue`, ``backend="fused"``).  Result files of 2026-11-27 were measured when the
+(:mod:`sphereml.layers.patch_epilogue`, ``backend="fused"``).  Result files of 2026-11-27 were measured when the
 layers took the fused epilogue on CUDA: there the plain rows are fused and "(reference epilogue)" rows
 the reference (their ``note`` says so).
 
@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import torch
 
-from sphereml.patches import patch_cosine2d
-from sphereml.sphereconv import SphereConv2d, sphere_conv2d_reference
+from sphereml.layers.patches import patch_cosine2d
+from sphereml.layers.sphereconv import SphereConv2d, sphere_conv2d_reference
 from sphereml.timing import forward_backward
 
 from .harness import compare, compiling, smoke_or

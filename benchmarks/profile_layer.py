@@ -17,8 +17,8 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from sphereml.decoupled import decoupled_conv2d
-from sphereml.patches import patch_cosine2d
+from sphereml.layers.decoupled import decoupled_conv2d
+from sphereml.layers.patches import patch_cosine2d
 from sphereml.timing import forward_backward
 
 LAYERS = {  # name -> (weight, backend) -> the layer's forward on x

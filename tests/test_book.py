@@ -9,6 +9,7 @@ import nbformat
 import pytest
 
 from sphereml import book
+from sphereml.book import runner
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -18,13 +19,13 @@ REPO = Path(__file__).resolve().parents[1]
     ("[1, 2]", [0], [1, 2]), (7, 1, 7),
 ])
 def test_parameter_conversion(value, default, expected):
-    assert book._convert("p", value, default) == expected
+    assert runner._convert("p", value, default) == expected
 
 
 @pytest.mark.parametrize("value, default", [("abc", 1), ("1.5", 1), ("1", True), ("yes", False)])
 def test_parameter_conversion_errors(value, default):
     with pytest.raises(ValueError, match="parameter 'p' must be"):
-        book._convert("p", value, default)
+        runner._convert("p", value, default)
 
 
 # ----------------------------------------------------------- papermill runner on a tiny notebook
@@ -39,7 +40,7 @@ def tiny_chapter(tmp_path):
     nb.cells = [
         params,
         nbformat.v4.new_code_cell(
-            "from sphereml.chapter import Chapter\n"
+            "from sphereml.book.chapter import Chapter\n"
             "ch = Chapter('tiny', profile, 'cpu', 0, output_dir)\n"
             "assert repeats >= 0, 'negative repeats'\n"
             "ch.record(repeats=repeats, profile_used=ch.profile)"
@@ -85,8 +86,8 @@ def test_cli_exit_codes(tiny_chapter, tmp_path):
 
 
 def test_the_package_does_not_import_the_runner():
-    code = "import sys, sphereml; print('sphereml.book' in sys.modules)"
-    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "False"
+    code = "import sys, sphereml; print('sphereml.book' in sys.modules, 'sphereml.book.runner' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "False False"
 
 
 @pytest.mark.subprocess

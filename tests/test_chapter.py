@@ -6,7 +6,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from sphereml import chapter, recalibration, verdicts
+from sphereml.book import chapter, verdicts
+from sphereml import recalibration
 
 REPO = Path(__file__).resolve().parents[1]
 

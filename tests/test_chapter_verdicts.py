@@ -1,5 +1,5 @@
-"""Every chapter decides its claims with the one rule of ``sphereml.verdicts`` and keeps no rule of its own; every
-chapter runs as a plain script on a machine without the notebook packages."""
+"""Every chapter decides its claims with the one rule of ``sphereml.book.verdicts`` and keeps no rule of its
+own; every chapter runs as a plain script on a machine without the notebook packages."""
 
 import ast
 from pathlib import Path
@@ -11,7 +11,7 @@ REPO = Path(__file__).resolve().parents[1]
 CHAPTERS = sorted((REPO / "notebooks").glob("*.md"))
 # chapters that make no claim of their own: the conclusion weighs the other chapters' claims from the ledger
 NO_CLAIMS = {"10_conclusion"}
-# the per-chapter rules and collectors the book used to have, each replaced by sphereml.verdicts
+# the per-chapter rules and collectors the book used to have, each replaced by sphereml.book.verdicts
 OWN_RULES = ("noise", "beats", "all_of", "seed_values", "over_seeds", "SEED_RANGE")
 # what a claim's verdict may be made from
 VERDICT_NAMES = {"holds", "equivalent", "at_most", "every", "given", "within", "NOT_TESTABLE", "trains"}
@@ -51,9 +51,9 @@ def test_chapter_keeps_no_decision_rule_of_its_own(path):
     assigned = {t.id for n in ast.walk(tree) if isinstance(n, ast.Assign) for t in n.targets
                 if isinstance(t, ast.Name)}
     own = sorted((defined & set(OWN_RULES)) | (assigned & {"SEED_RANGE"}))
-    assert not own, f"{path.stem} defines its own rule(s) {own}: use sphereml.verdicts"
+    assert not own, f"{path.stem} defines its own rule(s) {own}: use sphereml.book.verdicts"
     ranges = [n for n in ast.walk(tree) if isinstance(n, ast.Attribute) and n.attr == "ptp"]
-    assert not ranges, f"{path.stem} uses a range (np.ptp) as a noise level: use sphereml.verdicts"
+    assert not ranges, f"{path.stem} uses a range (np.ptp) as a noise level: use sphereml.book.verdicts"
 
 
 @pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.stem)
@@ -92,7 +92,7 @@ def test_every_claim_is_decided_by_sphereml_verdicts(path):
 @pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.stem)
 def test_every_claim_says_what_it_is_about(path):
     """Each claim carries a kind the conclusion groups by: a literal of CLAIM_KINDS, checked before any run."""
-    from sphereml.chapter import CLAIM_KINDS
+    from sphereml.book.chapter import CLAIM_KINDS
 
     calls = [n for n in ast.walk(_code(path)) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
              and n.func.attr == "claim"]

@@ -8,11 +8,12 @@ import pytest
 import torch
 from torch import nn
 
-from sphereml import comhe, models
-from sphereml.comhe import CoMHE, angle_distortion, bilateral_energy, group_energy, projected_energies
+from sphereml.regularizers import comhe
+from sphereml import models
+from sphereml.regularizers.comhe import CoMHE, angle_distortion, bilateral_energy, group_energy, projected_energies
 from sphereml.energy import hyperspherical_energy
 from sphereml.geometry import normalize
-from sphereml.orthogonalizers import qr_orthogonalize
+from sphereml.regularizers.orthogonalizers import qr_orthogonalize
 from sphereml.train import fit
 
 

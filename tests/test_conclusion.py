@@ -1,6 +1,6 @@
-"""The conclusion's reading of the book (sphereml.conclusion, sphereml.errata): counts by kind and family, effects
-and their noise from every shape of record the chapters write, costs from the real benchmark results, the errata
-table, and a chapter that follows its ledger."""
+"""The conclusion's reading of the book (sphereml.book.conclusion, sphereml.book.errata): counts by kind and
+family, effects and their noise from every shape of record the chapters write, costs from the real benchmark
+results, the errata table, and a chapter that follows its ledger."""
 
 import copy
 import json
@@ -9,9 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from sphereml import book, conclusion, errata
-from sphereml.chapter import CLAIM_KINDS
-from sphereml.verdicts import NOT_TESTABLE, VERDICTS, compare_over_seeds
+from sphereml import book
+from sphereml.book import conclusion, errata
+from sphereml.book.chapter import CLAIM_KINDS
+from sphereml.book.verdicts import NOT_TESTABLE, VERDICTS, compare_over_seeds
 
 REPO = Path(__file__).resolve().parents[1]
 HOLDS, FAILS, UNDECIDED = VERDICTS[True], VERDICTS[False], VERDICTS[None]

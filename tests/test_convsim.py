@@ -4,17 +4,9 @@ import numpy as np
 import pytest
 import torch
 
-from sphereml import convsim
-from sphereml.convsim import (
-    autocorrelation,
-    conv_similarity,
-    convolve,
-    cross_correlate,
-    feature_map_similarity,
-    feature_maps,
-    kernel_correlation,
-    pair_similarity,
-)
+from sphereml.regularizers import convsim
+from sphereml.regularizers.convsim import (autocorrelation, conv_similarity, convolve, cross_correlate,
+    feature_map_similarity, feature_maps, kernel_correlation, pair_similarity)
 
 F64 = torch.float64
 

@@ -11,11 +11,11 @@ import torch
 import torch.nn.functional as F
 
 from sphereml.angular import angular_function
-from sphereml.decoupled import (
-    BOUNDED_MAGNITUDES, MAGNITUDES, DecoupledConv2d, DecoupledLinear, decoupled_conv2d, decoupled_conv2d_reference,
-    decoupled_factory, decoupled_layers, decoupled_linear, magnitude_function,
-)
-from sphereml.decoupled_training import WeightProjection, init_from_pretrained, project_weights, weighted_gradients
+from sphereml.layers.decoupled import (BOUNDED_MAGNITUDES, MAGNITUDES, DecoupledConv2d, DecoupledLinear,
+    decoupled_conv2d, decoupled_conv2d_reference, decoupled_factory, decoupled_layers, decoupled_linear,
+    magnitude_function)
+from sphereml.layers.decoupled_training import (WeightProjection, init_from_pretrained, project_weights,
+    weighted_gradients)
 from sphereml.models import Classifier, plain_cnn
 from sphereml.regularizers import Orthogonality, orthogonality_penalty
 from sphereml.train import fit

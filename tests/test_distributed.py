@@ -5,7 +5,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from sphereml import comhe, energy, regularizers
+from sphereml.regularizers import comhe
+from sphereml import energy, regularizers
 
 pytestmark = pytest.mark.subprocess  # every test here spawns ranks
 
@@ -73,7 +74,9 @@ def test_sharded_energy_needs_a_process_group():
 def _model():
     """A margin-head classifier (its own loss_and_logits) with an OPT layer: the paths a DDP wrapper
     would miss."""
-    from sphereml import margins, models, opt
+    from sphereml.heads import margins
+    from sphereml import models
+    from sphereml.regularizers import opt
 
     torch.manual_seed(0)
     backbone = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
@@ -152,7 +155,7 @@ TORCHRUN_SCRIPT = """
 import sys
 import torch
 from sphereml import distributed
-from sphereml.chapter import Chapter
+from sphereml.book.chapter import Chapter
 
 out = sys.argv[1]
 ch = Chapter("toy", profile="smoke", device="auto", output_dir=out)  # joins torchrun's process group

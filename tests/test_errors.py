@@ -7,8 +7,10 @@ import re
 import pytest
 import torch
 
-from sphereml import (angular, attacks, data, decoupled, energy, geometry, margins, models, orthogonalizers,
-                      recalibration, regularizers, scs, sphereconv, train)
+from sphereml import angular, attacks, data, energy, geometry, models, recalibration, regularizers, train
+from sphereml.layers import decoupled, scs, sphereconv
+from sphereml.heads import margins, targets
+from sphereml.regularizers import orthogonalizers
 
 _DATA = torch.utils.data.TensorDataset(torch.zeros(4, 2), torch.zeros(4, dtype=torch.long))
 _X, _Y = torch.zeros(1, 2), torch.zeros(1, dtype=torch.long)
@@ -17,7 +19,7 @@ TABLE = [  # (what, call, argument named in the message, what the message must a
     ("normalize", lambda: geometry.normalize(torch.ones(3), eps=0.0), "eps", "> 0"),
     ("sample_sphere", lambda: geometry.sample_sphere(-1, 3), "n", ">= 0"),
     ("sample_sphere", lambda: geometry.sample_sphere(4, 0), "d", ">= 1"),
-    ("integer margin", lambda: geometry.integer_margin(1.5), "m", "integer >= 1"),
+    ("integer margin", lambda: targets.integer_margin(1.5), "m", "integer >= 1"),
     ("A-Softmax", lambda: margins.ASoftmaxLoss(4, 3, m=0), "m", ">= 1"),
     ("CosFace", lambda: margins.CosFaceLoss(4, 3, m=-1.0), "m", ">= 0"),
     ("ArcFace", lambda: margins.ArcFaceLoss(4, 3, m=4.0), "m", "< 3.14159"),

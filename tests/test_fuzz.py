@@ -16,8 +16,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from sphereml import (angular, comhe, convsim, decoupled, energy, geometry, margins, metrics, orthogonalizers,
-                      regularizers, scs, sphereconv)
+from sphereml import angular, energy, geometry, metrics, regularizers
+from sphereml.regularizers import comhe, convsim, orthogonalizers
+from sphereml.layers import decoupled, scs, sphereconv
+from sphereml.heads import margins, targets
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -150,10 +152,10 @@ COSINE_FUNCTIONS = {
     "safe_angle": geometry.safe_angle,
     "stable_arccos": angular.stable_arccos,
     "inverse_sine": angular.inverse_sine,
-    "chebyshev_cos m=4": lambda c: geometry.chebyshev_cos(c, 4),
-    "multiplicative_psi m=3": lambda c: geometry.multiplicative_psi(c, 3),
-    "arcface_psi": lambda c: geometry.arcface_psi(c, 0.5),
-    "psi(theta) m=1.5": lambda c: geometry.psi(geometry.safe_angle(c), 1.5),
+    "chebyshev_cos m=4": lambda c: targets.chebyshev_cos(c, 4),
+    "multiplicative_psi m=3": lambda c: targets.multiplicative_psi(c, 3),
+    "arcface_psi": lambda c: targets.arcface_psi(c, 0.5),
+    "psi(theta) m=1.5": lambda c: targets.psi(geometry.safe_angle(c), 1.5),
     **{f"angular_activation {g}": (lambda c, g=g: angular.angular_activation(c, g, k=0.3))
        for g in angular.DECOUPLED_ANGULAR},
     **{f"sharpen p={p}": (lambda c, p=p: scs.sharpen(c, p)) for p in (0.1, 1.0, 2.0, 7.0)},

@@ -3,21 +3,9 @@ import math
 import pytest
 import torch
 
-from sphereml.geometry import (
-    angle_matrix,
-    arcface_psi,
-    chebyshev_cos,
-    cosine_matrix,
-    integer_margin,
-    min_pair_angle,
-    multiplicative_psi,
-    normalize,
-    pair_angles,
-    pair_cosines,
-    psi,
-    safe_angle,
-    sample_sphere,
-)
+from sphereml.geometry import (angle_matrix, cosine_matrix, min_pair_angle, normalize, pair_angles, pair_cosines,
+                               safe_angle, sample_sphere)
+from sphereml.heads.targets import arcface_psi, chebyshev_cos, integer_margin, multiplicative_psi, psi
 
 GRID = torch.linspace(0, math.pi, 100_001, dtype=torch.float64)
 

@@ -85,7 +85,8 @@ WRITE = textwrap.dedent("""
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import torch
-    from sphereml import _io, viz
+    from sphereml import _io
+    from sphereml.book import viz
     out = sys.argv[1]
     i = 0
     while True:  # rewrite all three files until killed

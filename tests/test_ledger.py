@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from sphereml import ledger
-from sphereml.chapter import CLAIM_KINDS
+from sphereml.book import ledger
+from sphereml.book.chapter import CLAIM_KINDS
 
 REPO = Path(__file__).resolve().parents[1]
 SNAPSHOT = REPO / "book" / "claims.json"

@@ -16,8 +16,9 @@ if not torch.cuda.is_available():
 
 from conftest import sm90_compile_rows  # noqa: E402
 
-from sphereml import launches, margins  # noqa: E402
-from sphereml.margin_ce import margin_cross_entropy  # noqa: E402
+from sphereml import launches  # noqa: E402
+from sphereml.heads import margins  # noqa: E402
+from sphereml.heads.margin_ce import margin_cross_entropy  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 FUSABLE = {

@@ -7,17 +7,10 @@ import torch
 import torch.nn.functional as F
 
 from sphereml.angular import ANGULAR, angular_activation, angular_function
-from sphereml.geometry import chebyshev_cos, multiplicative_psi, normalize
-from sphereml.margins import (
-    ArcFaceLoss,
-    ASoftmaxLoss,
-    CosFaceLoss,
-    GASoftmaxLoss,
-    LambdaSchedule,
-    LSoftmaxLoss,
-    NormalizedSoftmaxLoss,
-    WSoftmaxLoss,
-)
+from sphereml.geometry import normalize
+from sphereml.heads.margins import (ArcFaceLoss, ASoftmaxLoss, CosFaceLoss, GASoftmaxLoss, LambdaSchedule, LSoftmaxLoss,
+    NormalizedSoftmaxLoss, WSoftmaxLoss)
+from sphereml.heads.targets import chebyshev_cos, multiplicative_psi
 from sphereml.models import MLP, Classifier
 from sphereml.train import evaluate, fit
 
@@ -281,7 +274,7 @@ def test_bad_inputs():
 
 
 def test_weight_normalized_linear_backward():
-    from sphereml.margin_ce import WeightNormalizedLinear as _WeightNormalizedLinear
+    from sphereml.heads.margin_ce import WeightNormalizedLinear as _WeightNormalizedLinear
 
     x, _ = _batch(5)
     w = torch.randn(C, D, dtype=torch.float64)

@@ -115,7 +115,7 @@ def test_resnet18_shapes_and_size():
 
 
 def test_sphere_factories():
-    from sphereml.sphereconv import SphereConv2d, SphereLinear
+    from sphereml.layers.sphereconv import SphereConv2d, SphereLinear
 
     net = models.spherenet(9, angular="sigmoid", k=0.3, widths=(4, 6, 8), in_channels=1, image_size=28,
                            feature_dim=16, sphere_fc=True)
@@ -154,7 +154,7 @@ def test_classifier_loss_is_cross_entropy_for_a_plain_head():
 
 
 def test_scs_net_is_rohrer100k_and_swaps_operators():
-    from sphereml.scs import MaxAbsPool2d, SharpenedCosineSimilarity2d
+    from sphereml.layers.scs import MaxAbsPool2d, SharpenedCosineSimilarity2d
 
     net = Classifier(models.scs_net(), 10, bias=True)
     assert 113_000 < sum(p.numel() for p in net.parameters()) < 115_000  # about the paper's "100K"
@@ -173,7 +173,7 @@ def test_scs_net_is_rohrer100k_and_swaps_operators():
 def test_resnet18_takes_sharpened_cosine_layers():
     from functools import partial
 
-    from sphereml.scs import SharpenedCosineSimilarity2d
+    from sphereml.layers.scs import SharpenedCosineSimilarity2d
 
     net = models.resnet18(conv_layer=partial(SharpenedCosineSimilarity2d, learnable=True), act_layer="identity")
     scs = [m for m in net.modules() if isinstance(m, SharpenedCosineSimilarity2d)]

@@ -145,7 +145,7 @@ def test_chapter_runs_in_smoke_profile(name, smoke_run):
 @pytest.mark.parametrize("name", CHAPTERS)
 def test_chapter_gpu_paths_run_tiny(name, offline_smoke, monkeypatch, tmp_path):
     """The gpu profile's own code (CIFAR sections, its branches) at the smoke profile's sizes and seeds, on this
-    CPU (SPHEREML_GPU_TINY=1, :class:`sphereml.chapter.Chapter`): CI proves it executes before a GPU runs it."""
+    CPU (SPHEREML_GPU_TINY=1, :class:`sphereml.book.chapter.Chapter`): CI proves it executes before a GPU runs it."""
     monkeypatch.setenv("SPHEREML_PROFILE", "gpu")
     monkeypatch.setenv("SPHEREML_GPU_TINY", "1")
     executed = nbformat.read(book.run_chapter(name, {}, tmp_path), as_version=4)

@@ -7,8 +7,9 @@ import pytest
 import torch
 from torch import nn
 
-from sphereml import models, opt
-from sphereml import orthogonalizers as orth
+from sphereml import models
+from sphereml.regularizers import opt
+from sphereml.regularizers import orthogonalizers as orth
 from sphereml.energy import hyperspherical_energy, layer_energy
 from sphereml.train import fit
 

@@ -5,7 +5,7 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrizations
 
-from sphereml import orthogonalizers as orth
+from sphereml.regularizers import orthogonalizers as orth
 
 MAPS = {
     "gs_qr": orth.qr_orthogonalize,

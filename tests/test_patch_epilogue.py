@@ -17,7 +17,7 @@ if not torch.cuda.is_available():
 
 from conftest import sm90_compile_rows  # noqa: E402
 from sphereml.launches import count_ops  # noqa: E402
-from sphereml.patches import patch_cosine2d  # noqa: E402
+from sphereml.layers.patches import patch_cosine2d  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.filterwarnings("ignore:divide by zero encountered in log2")  # |c|^p at c = 0, interpreted
@@ -195,7 +195,7 @@ DECOUPLED = [("tanh", "cosine"), ("ball", "linear"), ("linear", "sigmoid"), ("se
 def test_fused_decoupled_operator_matches_float64_reference(magnitude, angular):
     """Unweighted decoupled operators h(||x||) g(theta) (thesis eq. 4.3): the magnitude per position multiplies
     the fused epilogue's output and gets dL/dh from the same backward pass; rho a learned tensor."""
-    from sphereml.decoupled import decoupled_conv2d
+    from sphereml.layers.decoupled import decoupled_conv2d
 
     x = torch.randn(2, 6, 7, 7, generator=torch.Generator().manual_seed(10))
     x[0, :, :3, :3] = 0.0
@@ -223,7 +223,7 @@ def test_a_radius_per_channel_keeps_the_reference_path_and_its_values():
     """The released DCNets code learns one radius per output channel: h(||x||) then differs per channel, which
     the fused epilogue (one factor per group and position) cannot take, so the fused backend computes it on the
     reference nodes, with the reference's values and gradients (an H200 run of chapter 4 failed here)."""
-    from sphereml.decoupled import decoupled_conv2d
+    from sphereml.layers.decoupled import decoupled_conv2d
 
     x = torch.randn(2, 4, 6, 6, generator=torch.Generator().manual_seed(13))
     w = torch.randn(5, 4, 3, 3, generator=torch.Generator().manual_seed(14))
@@ -239,7 +239,7 @@ def test_a_radius_per_channel_keeps_the_reference_path_and_its_values():
 
 
 def test_a_magnitude_of_another_shape_is_refused():
-    from sphereml.patch_epilogue import fused_epilogue
+    from sphereml.layers.patch_epilogue import fused_epilogue
 
     inner, sq = torch.randn(2, 5, 3, 3, device=DEVICE), torch.rand(2, 1, 3, 3, device=DEVICE) + 0.5
     with pytest.raises(ValueError, match="magnitude must have the patch norms' shape"):
@@ -247,7 +247,7 @@ def test_a_magnitude_of_another_shape_is_refused():
 
 
 def test_weighted_decoupled_operators_keep_the_reference_path():
-    from sphereml.decoupled import decoupled_conv2d
+    from sphereml.layers.decoupled import decoupled_conv2d
 
     x, w = torch.randn(1, 2, 5, 5, device=DEVICE), torch.randn(3, 2, 3, 3, device=DEVICE)
     counts = {b: count_ops(lambda b=b: decoupled_conv2d(x, w, weighted="tanh_joint", backend=b)).by_op

@@ -4,21 +4,13 @@ import pytest
 import torch
 
 from sphereml import models
-from sphereml.convsim import conv_similarity
+from sphereml.regularizers.convsim import conv_similarity
 from sphereml.energy import hyperspherical_energy as E
-from sphereml.margins import ASoftmaxLoss
+from sphereml.heads.margins import ASoftmaxLoss
 from sphereml.models import Classifier, ConvNet
-from sphereml.regularizers import (
-    MHE,
-    ConvSimilarity,
-    Orthonormality,
-    iterative_initialization,
-    model_similarity,
-    orthonormality_penalty,
-    output_layer,
-    select_layers,
-)
-from sphereml.sphereconv import SphereConv2d, SphereLinear
+from sphereml.regularizers import (MHE, ConvSimilarity, Orthonormality, iterative_initialization, model_similarity,
+    orthonormality_penalty, output_layer, select_layers)
+from sphereml.layers.sphereconv import SphereConv2d, SphereLinear
 from sphereml.train import fit
 
 F64 = torch.float64

@@ -7,7 +7,7 @@ from html.parser import HTMLParser
 
 import pytest
 
-from sphereml import report, verdicts
+from sphereml.book import report, verdicts
 
 
 def _record(id="afs", verdict="holds", ours=None, paper=None, statement="A < B | C", kind="generalisation"):

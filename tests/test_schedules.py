@@ -2,7 +2,7 @@
 
 import pytest
 
-from sphereml.schedules import LambdaSchedule
+from sphereml.heads.schedules import LambdaSchedule
 
 
 def test_lambda_schedule_values():

@@ -4,16 +4,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from sphereml.patches import patch_cosine2d
-from sphereml.scs import (
-    P_MIN,
-    MaxAbsPool2d,
-    SharpenedCosineSimilarity2d,
-    max_abs_pool2d,
-    scs_conv2d,
-    scs_conv2d_reference,
-    sharpen,
-)
+from sphereml.layers.patches import patch_cosine2d
+from sphereml.layers.scs import (P_MIN, MaxAbsPool2d, SharpenedCosineSimilarity2d, max_abs_pool2d, scs_conv2d,
+    scs_conv2d_reference, sharpen)
 
 F64 = torch.float64
 CONV_CASES = [  # (C_in, C_out, kernel, stride, padding, dilation, groups)

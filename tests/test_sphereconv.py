@@ -9,14 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from sphereml.angular import ANGULAR
-from sphereml.sphereconv import (
-    SphereConv2d,
-    SphereLinear,
-    SphereNorm,
-    sphere_conv2d,
-    sphere_conv2d_reference,
-    sphere_linear,
-)
+from sphereml.layers.sphereconv import (SphereConv2d, SphereLinear, SphereNorm, sphere_conv2d, sphere_conv2d_reference,
+    sphere_linear)
 
 ANGULAR_CASES = [("linear", 0.5), ("cosine", 0.5), ("sigmoid", 0.3), ("sigmoid", 2.0)]
 CONV_CASES = [  # (C_in, C_out, kernel, stride, padding, dilation, groups)

@@ -9,14 +9,16 @@ and the OPT chapter's CNN-6 (Table F.1); the measured counts are in the benchmar
 import pytest
 import torch
 
-from sphereml import margins, models, opt
+from sphereml.heads import margins
+from sphereml import models
+from sphereml.regularizers import opt
 from sphereml import regularizers as R
-from sphereml.comhe import VARIANTS, CoMHE
-from sphereml.decoupled import DecoupledConv2d
+from sphereml.regularizers.comhe import VARIANTS, CoMHE
+from sphereml.layers.decoupled import DecoupledConv2d
 from sphereml.energy import batched, gram
 from sphereml.launches import HostSyncError, count_ops, no_host_sync
-from sphereml.scs import SharpenedCosineSimilarity2d
-from sphereml.sphereconv import SphereConv2d
+from sphereml.layers.scs import SharpenedCosineSimilarity2d
+from sphereml.layers.sphereconv import SphereConv2d
 
 
 @pytest.fixture(autouse=True)

@@ -147,7 +147,7 @@ def test_resume_on_cuda(toy, tmp_path):
 def test_resume_continues_the_regularizers_projections(toy, tmp_path):
     """CoMHE's projections come from its own generator, which the checkpoint carries: a resumed run draws the
     projections the uninterrupted run drew."""
-    from sphereml.comhe import CoMHE
+    from sphereml.regularizers.comhe import CoMHE
 
     train, _ = toy
     kwargs = dict(batch_size=16, device="cpu", optimizer="sgd", lr=0.05, progress=False)

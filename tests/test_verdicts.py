@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from sphereml.verdicts import (NOT_TESTABLE, VERDICTS, SeedComparison, SeedTable, compare_over_seeds, every, given,
-                               trains, verdict_name, within)
+from sphereml.book.verdicts import (NOT_TESTABLE, VERDICTS, SeedComparison, SeedTable, compare_over_seeds, every, given,
+    trains, verdict_name, within)
 
 
 def test_one_seed_uses_the_floor_and_the_binomial_noise():
@@ -161,7 +161,7 @@ def test_bootstrap_noise_is_twice_the_spread_of_the_resampled_statistic():
 
     import torch
 
-    from sphereml.verdicts import bootstrap_noise
+    from sphereml.book.verdicts import bootstrap_noise
 
     values = torch.arange(10, dtype=torch.float64)
     noise = bootstrap_noise(lambda idx: values[idx].mean(), 10, resamples=2000, seed=1)

@@ -7,7 +7,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from sphereml import viz  # noqa: E402
+from sphereml.book import viz  # noqa: E402
 
 
 def test_save_and_show_writes_png_and_closes(tmp_path):

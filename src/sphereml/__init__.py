@@ -1,28 +1,31 @@
 """sphereml: deep representation learning on the hypersphere — the library behind the book.
 
-One concept per module:
+Laid out by what a project of one's own imports (as torchvision's ``ops`` and ``models``), one concept per
+module:
 
-* :mod:`~sphereml.geometry` — normalisation, cosines and safe angles, sphere sampling, cos(m theta), psi_m.
+* :mod:`~sphereml.geometry` — normalisation, cosines and safe angles, pair angles, sphere sampling.
 * :mod:`~sphereml.angular` — angular activations g(theta), stable arccos, their fused autograd nodes.
-* :mod:`~sphereml.margins` — margin heads: normalised, L-, A-, GA-, W-Softmax, CosFace, ArcFace.
-* :mod:`~sphereml.margin_ce` — the heads' B x C part: class logits and the cross-entropy with a margin target,
-  fused into two passes (Triton on CUDA).
-* :mod:`~sphereml.schedules` — the lambda schedule that phases a multiplicative margin in.
-* :mod:`~sphereml.patches` — every receptive field's norm and its cosine to every kernel, by convolution.
-* :mod:`~sphereml.patch_epilogue` — the patch layers' division, g(theta) or sharpening in one kernel each way.
-* :mod:`~sphereml.sphereconv` — SphereConv2d, SphereLinear, SphereNorm and the unfold reference.
-* :mod:`~sphereml.decoupled` — decoupled operators h(||w||, ||x||) g(theta) and their unfold reference.
-* :mod:`~sphereml.decoupled_training` — weight projection, weighted gradients, pretrained initialisation.
-* :mod:`~sphereml.scs` — sharpened cosine similarity, max-abs pooling and the unfold reference.
+* :mod:`~sphereml.layers` — hyperspherical layers (thesis Ch. 3-4, the SCS paper):
+  :mod:`~sphereml.layers.patches` (receptive-field norms and cosines by convolution),
+  :mod:`~sphereml.layers.patch_epilogue` (the division and g(theta) in one kernel each way),
+  :mod:`~sphereml.layers.sphereconv` (SphereConv2d, SphereLinear, SphereNorm),
+  :mod:`~sphereml.layers.scs` (sharpened cosine similarity, max-abs pooling),
+  :mod:`~sphereml.layers.decoupled` (decoupled operators h(||w||, ||x||) g(theta)),
+  :mod:`~sphereml.layers.decoupled_training` (weight projection, weighted gradients, pretrained start).
+* :mod:`~sphereml.heads` — margin heads (thesis Ch. 2): :mod:`~sphereml.heads.margins` (normalised, L-, A-,
+  GA-, W-Softmax, CosFace, ArcFace), :mod:`~sphereml.heads.margin_ce` (the B x C part: logits and the
+  cross-entropy with a margin target in two passes), :mod:`~sphereml.heads.targets` (the target functions
+  psi: cos(m theta) by Chebyshev polynomials, A-Softmax's psi_m, ArcFace's cos(theta + m)),
+  :mod:`~sphereml.heads.schedules` (the lambda schedule).
 * :mod:`~sphereml.energy` — hyperspherical energy with dense, tiled and Triton backends, sharded over ranks,
   and many layers at once without device synchronisation (``energy.batched``).
-* :mod:`~sphereml.convsim` — convolutional similarity of kernels (pure tensor math).
-* :mod:`~sphereml.regularizers` — regularisers bound to a model's layers once: orthonormality,
-  orthogonality, convolutional similarity, MHE.
-* :mod:`~sphereml.comhe` — compressive MHE: random, angle-preserving, adversarial, group, bilateral projections.
-* :mod:`~sphereml.comhe_functional` — CoMHE's functional core: projected, group and bilateral energies, L_P.
-* :mod:`~sphereml.orthogonalizers` — Gram-Schmidt, Householder, Löwdin, Cayley, exp; the Cayley SGD step.
-* :mod:`~sphereml.opt` — orthogonal over-parameterised layers (OPT, PE-OPT, S-OPT), refinement, OGD.
+* :mod:`~sphereml.regularizers` — regularisers bound to a model's layers once (orthonormality, orthogonality,
+  convolutional similarity, MHE), and beside them :mod:`~sphereml.regularizers.comhe` (compressive MHE:
+  random, angle-preserving, adversarial, group, bilateral projections),
+  :mod:`~sphereml.regularizers.comhe_functional` (CoMHE's projected, group and bilateral energies, L_P),
+  :mod:`~sphereml.regularizers.convsim` (convolutional similarity of kernels, pure tensor math),
+  :mod:`~sphereml.regularizers.orthogonalizers` (Gram-Schmidt, Householder, Löwdin, Cayley, exp; the Cayley
+  SGD step) and :mod:`~sphereml.regularizers.opt` (orthogonal over-parameterised layers, refinement, OGD).
 * :mod:`~sphereml.models` — the book's networks, built from operator factories; ``Classifier``.
 * :mod:`~sphereml.data` — Fashion-MNIST, digits, CIFAR-10/100, synthetic sphere data.
 * :mod:`~sphereml.train` — ``fit`` / ``evaluate``: seeding, devices, history, checkpoints, callbacks.
@@ -33,44 +36,32 @@ One concept per module:
   attack, adversarial training.
 * :mod:`~sphereml.timing` — round-robin timing with ratios to a baseline.
 * :mod:`~sphereml.launches` — operations per step counted and host reads refused, on the CPU.
-
-The book's machinery, loaded on first use (``sphereml.chapter`` or ``from sphereml.chapter import Chapter``), so
-that ``import sphereml`` in a project of one's own brings no plotting, no chapter runtime and no papermill:
-
-* :mod:`~sphereml.verdicts` — verdicts that know their noise: paired comparisons over seeds.
-* :mod:`~sphereml.viz` — the book's plotting style and helpers.
-* :mod:`~sphereml.chapter` — the chapter runtime: profiles, figures, metrics, claim records.
-* :mod:`~sphereml.report` — claims as a reader sees them: verdict badges, claim cards, verdict tables.
-* :mod:`~sphereml.ledger` — the claims ledger: every chapter's claim records gathered into one page.
-* ``sphereml.conclusion`` — chapter 10's reading of the ledger and the benchmarks.
-* ``sphereml.errata`` — the errata page as data: entries by source and kind.
-* ``sphereml.book`` — the papermill runner (``python -m sphereml.book``).
+* :mod:`~sphereml.book` — the book's machinery (verdicts, plotting, the chapter runtime, claim reports, the
+  ledger, the conclusion, the errata, the papermill runner), loaded on first use (``sphereml.book`` or
+  ``from sphereml.book.chapter import Chapter``), so that ``import sphereml`` brings none of it.
 """
 
 import importlib
 
-from . import (angular, attacks, comhe, comhe_functional, convsim, data, decoupled, decoupled_training, distributed,
-               energy, geometry, launches, margin_ce, margins, metrics, models, opt, orthogonalizers, patch_epilogue,
-               patches, recalibration, regularizers, schedules, scs, sphereconv, timing, train)
+from . import (angular, attacks, data, distributed, energy, geometry, heads, launches, layers, metrics, models,
+               recalibration, regularizers, timing, train)
 from .geometry import angle_matrix, cosine_matrix, normalize, safe_angle, sample_sphere
 from .train import evaluate, fit, resolve_device, seed_everything
 
 __version__ = "0.1.0"
 
-BOOK_MODULES = ("book", "chapter", "conclusion", "errata", "ledger", "report", "verdicts", "viz")
+BOOK_MODULES = ("book",)  # loaded on first use
 
 __all__ = [
-    "angular", "attacks", "comhe", "comhe_functional", "convsim", "data", "decoupled", "decoupled_training",
-    "distributed", "energy", "geometry", "launches", "margin_ce", "margins", "metrics", "models", "opt",
-    "orthogonalizers", "patch_epilogue", "patches", "recalibration", "regularizers", "schedules", "scs", "sphereconv",
-    "timing", "train",
+    "angular", "attacks", "data", "distributed", "energy", "geometry", "heads", "launches", "layers", "metrics",
+    "models", "recalibration", "regularizers", "timing", "train",
     "normalize", "cosine_matrix", "safe_angle", "angle_matrix", "sample_sphere",
     "fit", "evaluate", "resolve_device", "seed_everything", "__version__",
 ]
 
 
 def __getattr__(name: str):
-    """``sphereml.chapter`` and the other book modules, imported when first asked for (PEP 562)."""
+    """``sphereml.book``, imported when first asked for (PEP 562)."""
     if name in BOOK_MODULES:
         return importlib.import_module(f".{name}", __name__)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -2,7 +2,7 @@
 
 ``torchrun --nproc_per_node=G script.py`` starts G copies of a script with ``RANK``, ``LOCAL_RANK`` and
 ``WORLD_SIZE`` set.  :func:`init_from_env` turns that into a process group (NCCL when CUDA is there, gloo
-otherwise) and gives each process its own GPU; :class:`~sphereml.chapter.Chapter` calls it, so a chapter
+otherwise) and gives each process its own GPU; :class:`~sphereml.book.chapter.Chapter` calls it, so a chapter
 exported as a script runs unchanged under ``torchrun``: ``fit`` then splits every batch over the processes
 (Note [data parallel fit]) and only rank 0 writes metrics and figures.
 

@@ -20,8 +20,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ._checks import integer
-from .scs import MaxAbsPool2d, SharpenedCosineSimilarity2d
-from .sphereconv import SphereConv2d, SphereLinear
+from .layers.scs import MaxAbsPool2d, SharpenedCosineSimilarity2d
+from .layers.sphereconv import SphereConv2d, SphereLinear
 
 __all__ = [
     "LayerType", "get_layer", "ConvNet", "MLP", "Classifier", "ConvAutoencoder", "BlockCNN",
@@ -74,7 +74,7 @@ class ConvNet(nn.Module):
         feature_act (bool): apply ``act_layer`` after the feature layer. Keep False for
             2-D features, or they stay in the first quadrant (thesis App. A.1). Default: False.
         pool_layer: the 2x2 pooling after each stage, ``"maxpool"`` (default) or ``"maxabspool"``
-            (:class:`~sphereml.scs.MaxAbsPool2d`), called with the kernel size 2.
+            (:class:`~sphereml.layers.scs.MaxAbsPool2d`), called with the kernel size 2.
     """
 
     def __init__(
@@ -180,7 +180,7 @@ class Classifier(nn.Module):
     def loss_and_logits(self, x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
         """(mean training loss, logits) of a batch.
 
-        A head with its own loss (the margin heads of :mod:`sphereml.margins`: it has a
+        A head with its own loss (the margin heads of :mod:`sphereml.heads.margins`: it has a
         ``loss_and_logits(features, labels)`` method) gives its margin loss and its margin-free
         logits, detached; any other head gives softmax cross-entropy of its logits.
         """
@@ -371,10 +371,10 @@ def plain_cnn(depth: int = 9, widths: tuple[int, int, int] = (64, 96, 128), in_c
 def spherenet(depth: int = 9, angular: str = "cosine", k: float = 0.5, learnable_k: bool = False,
               sphere_fc: bool = False, **kwargs) -> ConvNet:
     """SphereNet-N (thesis §3.4, Table B.1): :func:`plain_cnn` with every conv a
-    :class:`~sphereml.sphereconv.SphereConv2d` with the same angular function.
+    :class:`~sphereml.layers.sphereconv.SphereConv2d` with the same angular function.
 
     The thesis does not say whether the 256-unit fully connected layer is a SphereConv too;
-    ``sphere_fc=True`` makes it a :class:`~sphereml.sphereconv.SphereLinear` (its outputs, and so
+    ``sphere_fc=True`` makes it a :class:`~sphereml.layers.sphereconv.SphereLinear` (its outputs, and so
     the features, are then bounded by 1 per unit; chapter 3 measures both).  Other keyword
     arguments go to :func:`plain_cnn`.
     """

@@ -1,5 +1,5 @@
 """Running statistics re-estimated before an evaluation: the book's one evaluation rule for networks that
-keep them (BatchNorm; a decoupled layer's running E{||x||}, :mod:`~sphereml.decoupled`).
+keep them (BatchNorm; a decoupled layer's running E{||x||}, :mod:`~sphereml.layers.decoupled`).
 
 Running averages are collected while the weights move, so they lag the network; :func:`recalibrate`
 re-estimates them with the weights frozen, :func:`recalibrated` does so for the length of a ``with`` block

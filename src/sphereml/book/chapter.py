@@ -27,10 +27,11 @@ import matplotlib.pyplot as plt
 import torch
 from torch.utils.data import TensorDataset
 
-from . import _io, data, distributed, viz
-from ._checks import integer
-from .recalibration import has_running_stats, recalibrate, stats_fresh
-from .train import collect_outputs, evaluate, fit, resolve_device, seed_everything
+from .. import _io, data, distributed
+from . import viz
+from .._checks import integer
+from ..recalibration import has_running_stats, recalibrate, stats_fresh
+from ..train import collect_outputs, evaluate, fit, resolve_device, seed_everything
 from .report import ClaimCard, VerdictTable, show
 from .verdicts import NOT_TESTABLE, verdict_name
 
@@ -207,7 +208,7 @@ class Chapter:
         """Save ``fig`` as ``<output_dir>/<name>.png``, list it in the metrics, and show it (rank 0 only).
 
         In the book the figure is glued under ``name`` and appears where the chapter's ``{glue:figure}``
-        directive gives it its number and caption (:func:`sphereml.viz.save_and_show`).
+        directive gives it its number and caption (:func:`sphereml.book.viz.save_and_show`).
         """
         if not distributed.is_main_process():
             plt.close(fig)
@@ -223,7 +224,7 @@ class Chapter:
         self.write()
 
     def claim(self, id: str, statement: str, source: str, ours, holds, paper=None, *, kind: str) -> None:
-        """Show one verdict beside the numbers behind it (a :class:`~sphereml.report.ClaimCard`), and store it
+        """Show one verdict beside the numbers behind it (a :class:`~sphereml.book.report.ClaimCard`), and store it
         as a record in ``metrics.json``.
 
         Args:
@@ -231,7 +232,7 @@ class Chapter:
             statement (str): the claim in words, as the seed makes it (or as we test it).
             source (str): where the seed makes it (e.g. ``"thesis Table 2.3"``).
             ours: our value(s) that decide it (a number, or a dict of named numbers).
-            holds: the verdict from :mod:`sphereml.verdicts`: True (holds), False (does not hold), None (not
+            holds: the verdict from :mod:`sphereml.book.verdicts`: True (holds), False (does not hold), None (not
                 distinguishable) or ``verdicts.NOT_TESTABLE``.
             paper: the seed's value(s), if it gives any.
             kind (str): what the claim is about, one of :data:`CLAIM_KINDS` (the conclusion groups by it).

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ._checks import integer, real_number
+from .._checks import integer, real_number
 
 __all__ = ["LambdaSchedule"]
 

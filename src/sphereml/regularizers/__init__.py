@@ -23,6 +23,18 @@ Regularisers:
 * :class:`ConvSimilarity` — beta * sum over conv layers of L_CS (convolutional-similarity paper, Algorithm 2);
   :func:`model_similarity` and :func:`iterative_initialization` (its Algorithm 1) walk the same layers.
 * :class:`MHE` — minimum hyperspherical energy on hidden and output layers (thesis eq. 5.4).
+
+Beside them, in this package:
+
+* :mod:`~sphereml.regularizers.comhe` — compressive MHE (:class:`~sphereml.regularizers.comhe.CoMHE`, a kind of
+  MHE): random, angle-preserving, adversarial, group and bilateral projections (thesis Ch. 6).
+* :mod:`~sphereml.regularizers.comhe_functional` — CoMHE's functional core: projected, group and bilateral
+  energies, the angle distortion L_P.
+* :mod:`~sphereml.regularizers.convsim` — convolutional similarity of kernels (pure tensor math).
+* :mod:`~sphereml.regularizers.orthogonalizers` — Gram-Schmidt, Householder, Löwdin, Cayley, exp; the Cayley
+  SGD step.
+* :mod:`~sphereml.regularizers.opt` — orthogonal over-parameterised training (OPT, PE-OPT, S-OPT), refinement,
+  OGD (thesis Ch. 7).
 """
 
 from __future__ import annotations
@@ -30,10 +42,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from ._checks import integer, one_of, real_number
+from .._checks import integer, one_of, real_number
+from ..energy import BACKENDS, BATCHED_MAX, METRICS, hyperspherical_energy
+from ..energy.batched import LayerEnergies
 from .convsim import conv_similarity
-from .energy import BACKENDS, BATCHED_MAX, METRICS, hyperspherical_energy
-from .energy.batched import LayerEnergies
 
 __all__ = [
     "LAYER_KINDS", "output_layer", "select_layers", "Regularizer", "orthonormality_penalty", "Orthonormality",
@@ -173,12 +185,13 @@ def _layers_similarity(layers: list[nn.Module], mode: str | int, method: str, no
 
 
 class ConvSimilarity(Regularizer):
-    """beta * sum over every conv layer of :func:`~sphereml.convsim.conv_similarity` (Algorithm 2 of the paper).
+    """beta * sum over every conv layer of :func:`~sphereml.regularizers.convsim.conv_similarity` (Algorithm 2 of
+    the paper).
 
     Args:
         model (nn.Module): the network; its conv layers are selected once, here.
         beta (float): weight of the penalty (the paper uses 1e-3). Default: 1e-3.
-        mode, method, normalized: passed to :func:`~sphereml.convsim.conv_similarity`.
+        mode, method, normalized: passed to :func:`~sphereml.regularizers.convsim.conv_similarity`.
     """
 
     def __init__(self, model: nn.Module, beta: float = 1e-3, mode: str | int = "full", method: str = "auto",
@@ -194,7 +207,8 @@ class ConvSimilarity(Regularizer):
 
 def model_similarity(model: nn.Module, mode: str | int = "full", method: str = "auto",
                      normalized: bool = False) -> Tensor:
-    """The sum of :func:`~sphereml.convsim.conv_similarity` over every conv layer of ``model`` (the paper's sum)."""
+    """The sum of :func:`~sphereml.regularizers.convsim.conv_similarity` over every conv layer of ``model`` (the
+    paper's sum)."""
     return ConvSimilarity(model, 1.0, mode, method, normalized).penalty()
 
 

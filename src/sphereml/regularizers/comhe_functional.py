@@ -1,5 +1,5 @@
 """The functional core of compressive MHE (thesis Ch. 6, App. E): projected, group and bilateral energies, and
-the angle distortion L_P with its closed-form gradient.  :class:`~sphereml.comhe.CoMHE` computes the same
+the angle distortion L_P with its closed-form gradient.  :class:`~sphereml.regularizers.comhe.CoMHE` computes the same
 numbers for all layers at once; these functions are its readable references and the chapter's tools.
 
 Note [projection scale]
@@ -13,10 +13,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ._checks import integer
-from .energy import BATCHED_MAX, hyperspherical_energy
-from .energy.batched import PointSets, SetEnergies
-from .geometry import normalize
+from .._checks import integer
+from ..energy import BATCHED_MAX, hyperspherical_energy
+from ..energy.batched import PointSets, SetEnergies
+from ..geometry import normalize
 
 __all__ = ["projected_energies", "angle_distortion", "angle_distortion_grad", "group_energy", "bilateral_energy",
            "project"]

@@ -12,7 +12,7 @@ energy of the neurons, exactly as initialised (eq. 7.2)::
 
 The parametrisation is :class:`OrthogonalRotation` (``torch.nn.utils.parametrize``), so
 ``layer.weight`` stays the effective weight and the layer works wherever a plain one does.
-Methods (how R is made from the learnt ``raw``; :mod:`sphereml.orthogonalizers`):
+Methods (how R is made from the learnt ``raw``; :mod:`sphereml.regularizers.orthogonalizers`):
 
 * ``gs`` / ``mgs`` — Gram-Schmidt on the rows of raw (classic / modified: the same map);
 * ``householder`` — Householder QR of raw (stable reflections);
@@ -36,10 +36,10 @@ from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
 from . import orthogonalizers as orth
-from ._checks import integer, one_of, real_number
-from .energy import hyperspherical_energy
-from .geometry import normalize as unit_rows
-from .regularizers import Regularizer, select_layers
+from .._checks import integer, one_of, real_number
+from ..energy import hyperspherical_energy
+from ..geometry import normalize as unit_rows
+from . import Regularizer, select_layers
 
 __all__ = [
     "METHODS", "ORTHOGONAL_BY_CONSTRUCTION", "OrthogonalRotation", "orthogonal_overparameterize",
@@ -308,8 +308,8 @@ class OrthogonalSGD(torch.optim.Optimizer):
 
     An orthogonal group holds square matrices (or batches of them) that start orthogonal; each step
     builds the momentum m <- mu m - grad (a descent direction, Note [the sign of eq. 7.5] in
-    :mod:`sphereml.orthogonalizers`), moves along it with
-    :func:`~sphereml.orthogonalizers.cayley_sgd_step` and keeps the projected direction as the new
+    :mod:`sphereml.regularizers.orthogonalizers`), moves along it with
+    :func:`~sphereml.regularizers.orthogonalizers.cayley_sgd_step` and keeps the projected direction as the new
     momentum (the authors' ``opt_ogd``).  Other groups take the usual SGD step with momentum and
     weight decay (``torch.optim.SGD`` conventions, no dampening).
 

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ._checks import integer, one_of
+from .._checks import integer, one_of
 
 __all__ = [
     "padding_for", "cross_correlate", "convolve", "kernel_correlation", "autocorrelation",

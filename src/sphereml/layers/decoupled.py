@@ -23,7 +23,7 @@ defaults to App. C.2's values: 0.5 for SegConv, 1 for MixConv.
 
 These *unweighted* operators drop ||w||: every kernel counts the same, and rescaling a kernel
 leaves the output unchanged (which is why weight projection, :func:`project_weights`, is safe for
-them; the optimisation aids of §4.4 are in :mod:`sphereml.decoupled_training`).  ``weighted`` gives
+them; the optimisation aids of §4.4 are in :mod:`sphereml.layers.decoupled_training`).  ``weighted`` gives
 the weighted forms of §4.3.5:
 
 * ``"linear"`` (or True): ||w|| multiplies h.  Linearly weighted LinearConv with cosine g and
@@ -45,7 +45,7 @@ Note [radius normalisation]
     :func:`~sphereml.recalibration.recalibrate` re-estimates the average with the weights frozen.
 
 Note [decoupled operator by convolution]
-    Like SphereConv (:mod:`sphereml.patches`), nothing is unfolded: u = conv(x, w_hat) is one
+    Like SphereConv (:mod:`sphereml.layers.patches`), nothing is unfolded: u = conv(x, w_hat) is one
     ordinary convolution and the patch norms n come from a depthwise convolution of the summed
     x^2.  For cosine g the output is u h(n) / n: the factor h(n) / n lives on a Tensor[B, G, H', W']
     (one value per position, not per channel), so the layer costs one convolution plus one
@@ -63,9 +63,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
-from ._checks import integer, one_of, real_number
-from .angular import DECOUPLED_ANGULAR, angular_activation, angular_function, check_angular, check_k
-from .geometry import safe_norm
+from .._checks import integer, one_of, real_number
+from ..angular import DECOUPLED_ANGULAR, angular_activation, angular_function, check_angular, check_k
+from ..geometry import safe_norm
 from .patch_epilogue import fused_epilogue, per_channel, resolve_backend
 from .patches import conv_arguments, explicit_padding, pair, patch_norm2d, patchwise_reference
 from .sphereconv import Positive
@@ -148,7 +148,7 @@ def _magnitude_over_norm(norm: Tensor, magnitude: str, alpha: float, beta: float
 def _conv_parts(x: Tensor, weight: Tensor, stride, padding, dilation, groups: int, eps: float, backend="auto"):
     """(u = conv(x, w_hat) Tensor[B, C_out, H', W'], patch norms Tensor[B, G, H', W'], ||w|| Tensor[C_out], fuse):
     everything the operator needs from a convolution (Note [decoupled operator by convolution]).  ``fuse(angular,
-    k, h)`` is h g(theta) by the fused epilogue of :mod:`~sphereml.patch_epilogue` where ``backend`` resolves to
+    k, h)`` is h g(theta) by the fused epilogue of :mod:`~sphereml.layers.patch_epilogue` where ``backend`` resolves to
     it (``"auto"``: with ``SPHEREML_FUSED=1`` on CUDA), else False."""
     kernel_size = tuple(weight.shape[2:])
     stride, dilation = pair(stride, "stride", 1), pair(dilation, "dilation", 1)
@@ -227,7 +227,7 @@ def decoupled_conv2d(x: Tensor, weight: Tensor, stride=1, padding=0, dilation=1,
             (Note [radius normalisation]).
         eps (float): patch-norm floor (a zero patch outputs 0).
         backend (str): ``"auto"``, ``"reference"`` or ``"fused"``: the unweighted operators' g and h in the fused
-            epilogue of :mod:`~sphereml.patch_epilogue` (``"auto"``: with ``SPHEREML_FUSED=1`` on CUDA).
+            epilogue of :mod:`~sphereml.layers.patch_epilogue` (``"auto"``: with ``SPHEREML_FUSED=1`` on CUDA).
             Default: ``"auto"``.
 
     Returns:

@@ -1,7 +1,8 @@
 """The papermill runner: execute a chapter with your own parameters (``python -m sphereml.book``).
 
-The chapter runtime itself (profiles, ``Chapter``) is :mod:`sphereml.chapter`; this module is
-only the command line and the execution cache, and the package does not import it.
+The chapter runtime itself (profiles, ``Chapter``) is :mod:`sphereml.book.chapter`; this module is
+only the command line and the execution cache (``python -m sphereml.book`` runs it), and the package does not
+import it.
 
 Command line::
 
@@ -14,7 +15,7 @@ Command line::
 ``metrics.json``; it exits non-zero when the chapter fails.  Parameter names are
 checked against the chapter's ``parameters`` cell and values are converted to the
 type of their default.  ``ledger`` merges the claims of the runs under ``--runs`` (``cpu`` and
-``gpu`` runs; :mod:`sphereml.ledger`) into ``book/claims.json`` and rewrites ``book/claims.md``.
+``gpu`` runs; :mod:`sphereml.book.ledger`) into ``book/claims.json`` and rewrites ``book/claims.md``.
 """
 
 from __future__ import annotations
@@ -191,7 +192,3 @@ def main(argv=None) -> int:
         return 1
     print(f"executed notebook, figures and metrics.json in {executed.parent}")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

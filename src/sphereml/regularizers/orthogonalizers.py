@@ -1,7 +1,7 @@
 """Maps from an unconstrained square matrix to an orthogonal one, and the Cayley step of OGD (thesis §7.3.3-7.3.5).
 
 Each map takes ``Tensor[..., m, m]`` (a batch of raw matrices U) and returns orthogonal matrices of
-the same shape, differentiably.  They are the functional core of :mod:`sphereml.opt`:
+the same shape, differentiably.  They are the functional core of :mod:`sphereml.regularizers.opt`:
 
 * :func:`gram_schmidt` — Gram-Schmidt on the **rows** of U, as the authors' code orthonormalises
   them (the thesis's Algorithm 1 and eqs. F.1-F.2 write it on columns): classic or modified (eq. F.3),
@@ -37,8 +37,8 @@ import math
 import torch
 from torch import Tensor
 
-from ._checks import integer, real_number
-from .geometry import max_abs_scale
+from .._checks import integer, real_number
+from ..geometry import max_abs_scale
 
 __all__ = ["check_square", "gram_schmidt", "householder", "qr_orthogonalize", "lowdin", "skew", "cayley", "exp_map",
            "exp_map_fixed", "MAX_SQUARINGS", "cayley_sgd_step", "orthogonality_error"]
@@ -153,7 +153,7 @@ def qr_orthogonalize(u: Tensor, rows: bool = True) -> Tensor:
     ``rows=False``: Q of U = Q R with diag(R) >= 0, as :func:`householder` computes it.
     ``rows=True``: the same applied to U^T and transposed back, so the rows of the result are the
     Gram-Schmidt orthonormalisation of the rows of U, as :func:`gram_schmidt` computes them.
-    One QR call instead of a loop of m steps: the fast path of :mod:`sphereml.opt`.
+    One QR call instead of a loop of m steps: the fast path of :mod:`sphereml.regularizers.opt`.
     """
     u = _rescaled(check_square(u))
     a = u.mT if rows else u

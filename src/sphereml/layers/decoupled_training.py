@@ -21,9 +21,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from ._checks import integer, real_number
+from .._checks import integer, real_number
 from .decoupled import decoupled_layers
-from .train import StepState
+from ..train import StepState
 
 __all__ = ["project_weights", "WeightProjection", "weighted_gradients", "init_from_pretrained"]
 

@@ -21,7 +21,7 @@ untrained arms, conditional claims and claims made for several cases; :func:`wit
 (closed forms, identities) at a stated tolerance; :func:`bootstrap_noise` gives the floor of a measure that
 has no binomial formula.  A verdict is ``True`` (holds),
 ``False`` (does not hold), ``None`` (not distinguishable) or :data:`NOT_TESTABLE`, the values
-:meth:`Chapter.claim <sphereml.chapter.Chapter.claim>` takes.
+:meth:`Chapter.claim <sphereml.book.chapter.Chapter.claim>` takes.
 
 Note [noise level of a paired comparison]
 -----------------------------------------
@@ -56,7 +56,7 @@ from typing import Callable
 import torch
 from scipy import stats
 
-from ._checks import integer
+from .._checks import integer
 
 __all__ = ["VERDICTS", "NOT_TESTABLE", "verdict_name", "SeedComparison", "compare_over_seeds", "SeedTable", "trains",
            "given", "every", "within", "bootstrap_noise"]

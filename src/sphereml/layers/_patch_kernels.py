@@ -1,4 +1,4 @@
-"""The Triton kernels of the patch epilogue in :mod:`sphereml.patches` (imported on first use).
+"""The Triton kernels of the patch epilogue in :mod:`sphereml.layers.patches` (imported on first use).
 
 Layout: INNER (Tensor[B, C_out, P], P = H' W' positions, contiguous) holds w_hat . x for every kernel and
 patch; the C_out channels form G groups of CG; SQ (Tensor[B, G, P], float32) the squared patch norms of each
@@ -15,7 +15,7 @@ with the parameter a a number (``PARAM`` 1) or one value per channel (``PARAM`` 
 output is multiplied by a magnitude per position, MAG (Tensor[B, G, P], float32): the h(||x||) of the
 decoupled operators (thesis eq. 4.3), whose gradient dL/dMAG = sum_j dL/dy_j f(c_j) the backward also writes.
 The derivatives follow the reference nodes exactly: d|c|^a/dc = a |c|^a / max(|c|, 1e-6) (Note [sharpening
-without NaN] in :mod:`sphereml.scs`) and d theta / dc = -1 / sqrt(max(1 - c^2, 1e-10)) (Note [angle for linear
+without NaN] in :mod:`sphereml.layers.scs`) and d theta / dc = -1 / sqrt(max(1 - c^2, 1e-10)) (Note [angle for linear
 and sigmoid] in :mod:`sphereml.angular`).  Triton has neither arccos nor tanh: theta comes from the minimax
 polynomial of Abramowitz and Stegun 4.4.46 (|error| <= 2e-8 on [0, 1], theta(-c) = pi - theta(c)) and tanh
 from its series near 0 and exponentials elsewhere (``_tanh_sech2``).  NaN inputs stay NaN.  All arithmetic is
@@ -32,7 +32,7 @@ float32; outputs take INNER's dtype.
 import triton
 import triton.language as tl
 
-from .energy.triton_backend import interpreting
+from ..energy.triton_backend import interpreting
 
 __all__ = ["EPILOGUES", "FORWARD_BLOCKS", "BACKWARD_BLOCKS", "forward_kernel", "backward_kernel"]
 

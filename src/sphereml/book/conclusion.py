@@ -4,11 +4,11 @@ Chapter 10 weighs the thesis's closing claims (thesis Ch. 8: hyperspherical lear
 generalization, faster convergence and stronger adversarial robustness") with nothing but the files the
 other chapters and the benchmarks wrote, so that it changes whenever they change:
 
-* the claims ledger ``book/claims.json`` (:mod:`sphereml.ledger`): every claim record carries the verdict of
-  :mod:`sphereml.verdicts` and a ``kind``, one of :data:`sphereml.chapter.CLAIM_KINDS`;
+* the claims ledger ``book/claims.json`` (:mod:`sphereml.book.ledger`): every claim record carries the verdict of
+  :mod:`sphereml.book.verdicts` and a ``kind``, one of :data:`sphereml.book.chapter.CLAIM_KINDS`;
 * the benchmark results ``benchmarks/results/*.json`` (``benchmarks/harness.py``): seconds, ``ratio_to_<baseline>``
   and ``peak_bytes`` per candidate, with the device that timed them;
-* the table of ``book/errata.md``, read by :mod:`sphereml.errata`.
+* the table of ``book/errata.md``, read by :mod:`sphereml.book.errata`.
 
 Every function takes the paths or the loaded data as arguments, so tests point them at temporary copies.
 
@@ -16,7 +16,7 @@ Note [an effect and its noise]
 ------------------------------
 A claim's ``ours`` is whatever its chapter recorded.  :func:`effect` finds one effect with its noise where the
 record holds one: an explicit ``difference``; exactly two compared values (what
-:meth:`~sphereml.verdicts.SeedComparison.numbers` writes beside ``seeds``, ``noise`` and ``seed s.d.``); one
+:meth:`~sphereml.book.verdicts.SeedComparison.numbers` writes beside ``seeds``, ``noise`` and ``seed s.d.``); one
 recorded difference named ``"a - b"``; or one ratio named ``"a / b"`` (compared with 1).  The noise is the
 record's ``noise`` (or ``... noise``, ``2 s.e.``).  Records with several comparisons (a claim "for every
 variant"), no noise, or a list of values have no single effect: they are counted, not drawn.  The metrics are
@@ -82,7 +82,7 @@ BENCHMARKS = {  # family -> the benchmark that times it against a baseline (benc
 
 # ------------------------------------------------------------------------------------------- the ledger
 def load_snapshot(path: str | os.PathLike) -> dict:
-    """The ledger snapshot at ``path`` (``book/claims.json``, written by :func:`sphereml.ledger.collect`)."""
+    """The ledger snapshot at ``path`` (``book/claims.json``, written by :func:`sphereml.book.ledger.collect`)."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"no claims ledger at {path}: run the chapters, then "

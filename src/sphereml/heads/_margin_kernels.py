@@ -1,4 +1,4 @@
-"""The Triton kernels of :mod:`sphereml.margin_ce` (imported on first use, like the energy's kernels).
+"""The Triton kernels of :mod:`sphereml.heads.margin_ce` (imported on first use, like the energy's kernels).
 
 ``triton.jit`` decides at decoration time whether a kernel is compiled or interpreted
 (``TRITON_INTERPRET=1``), hence a module of its own, imported only once a kernel is needed.
@@ -20,7 +20,7 @@ target logit, an O(B) term).  All arithmetic is float32.
 import triton
 import triton.language as tl
 
-from .energy.triton_backend import interpreting
+from ..energy.triton_backend import interpreting
 
 __all__ = ["LSE_BLOCKS", "GRAD_BLOCKS", "lse_kernel", "grad_kernel"]
 

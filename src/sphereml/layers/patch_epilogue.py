@@ -1,16 +1,16 @@
 """The patch layers' epilogue fused into one kernel each way: patch-norm division, clamp, g(theta) or sharpening.
 
-After its convolution a patch layer (:mod:`~sphereml.patches`: SphereConv, SCS) only works elementwise on the
+After its convolution a patch layer (:mod:`~sphereml.layers.patches`: SphereConv, SCS) only works elementwise on the
 B x C_out x H' x W' inner products: divide each by its patch norm (+ q), clamp to [-1, 1], and apply the
 layer's function of the cosine (an angular activation of :mod:`~sphereml.angular`, or the SCS sharpening).
 Here the squared patch norms come from one depthwise convolution (:func:`squared_patch_norms`, Note [patch
-norm by convolution] in :mod:`~sphereml.patches`), and then one Triton kernel reads the inner products once
+norm by convolution] in :mod:`~sphereml.layers.patches`), and then one Triton kernel reads the inner products once
 and writes the output, and one backward kernel reads them and dL/dy once and writes dL/d(inner products),
 dL/dm per position (m the divided norm; autograd carries it on to x through :func:`squared_patch_norms`) and
-the partial sums of dL/d(parameter) (:mod:`sphereml._patch_kernels`, with the formulas).  The kernels are the
+the partial sums of dL/d(parameter) (:mod:`sphereml.layers._patch_kernels`, with the formulas).  The kernels are the
 custom operators ``sphereml::patch_epilogue`` and ``sphereml::patch_epilogue_backward``, so ``torch.compile``
 traces the layer with ``fullgraph=True``.  They run on CUDA tensors, and on CPU tensors under
-``TRITON_INTERPRET=1`` (the tests); the reference nodes of :mod:`~sphereml.patches` and
+``TRITON_INTERPRET=1`` (the tests); the reference nodes of :mod:`~sphereml.layers.patches` and
 :mod:`~sphereml.angular` are the oracle.
 """
 
@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .energy.triton_backend import choose_backend, usable_on
+from ..energy.triton_backend import choose_backend, usable_on
 
 __all__ = ["EPILOGUES", "resolve_backend", "squared_patch_norms", "fused_epilogue", "per_channel"]
 

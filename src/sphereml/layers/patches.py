@@ -29,7 +29,7 @@ Note [fused epilogue]
     forward + backward, 8 such operations for the cosine, 19 for linear g, 26 for sigmoid g (32 with a learned
     k), 17 for SCS (23 with learned p and q), against 3 for ``nn.Conv2d``.  With ``backend="fused"`` one
     Triton kernel does it all forward and one backward, for every angular activation and for the sharpening
-    (:mod:`sphereml.patch_epilogue`): 5 in every case (the convolution, its backward, the two kernels, and a
+    (:mod:`sphereml.layers.patch_epilogue`): 5 in every case (the convolution, its backward, the two kernels, and a
     loss's sum), reading the inner products once; the patch norms still come from the depthwise convolution
     above.  Counted on the CPU by ``tests/test_patch_epilogue.py``.  The fused output keeps the input's dtype
     (bf16 stays bf16, as a convolution's); the reference path promotes half inputs to float32.  Fewer passes
@@ -51,15 +51,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ._checks import integer, real_number
-from .angular import DECOUPLED_ANGULAR, angular_activation, check_angular, check_k
-from .geometry import max_abs_scale, safe_norm
+from .._checks import integer, real_number
+from ..angular import DECOUPLED_ANGULAR, angular_activation, check_angular, check_k
+from ..geometry import max_abs_scale, safe_norm
 from .patch_epilogue import fused_epilogue, per_channel, resolve_backend, squared_patch_norms
 
 __all__ = ["pair", "check_padding", "conv_arguments", "explicit_padding", "output_size", "patch_cosine2d",
            "patch_norm2d", "patchwise_reference", "sharpen"]
 
-_GRAD_FLOOR = 1e-6  # Note [sharpening without NaN] in sphereml.scs
+_GRAD_FLOOR = 1e-6  # Note [sharpening without NaN] in sphereml.layers.scs
 
 
 def pair(value, name: str, minimum: int) -> tuple[int, int]:
@@ -117,7 +117,7 @@ def output_size(size: tuple[int, int], kernel_size, stride, padding, dilation) -
 def patch_norm2d(x: Tensor, kernel_size, stride=1, padding=0, dilation=1, groups: int = 1,
                  eps: float = 1e-6) -> Tensor:
     """||x|| of every receptive-field patch of each channel group, floored at ``eps``
-    (Note [patch norm by convolution] in :mod:`sphereml.patches`; integer padding).
+    (Note [patch norm by convolution] in :mod:`sphereml.layers.patches`; integer padding).
 
     Returns:
         Tensor[B, groups, H', W'].
@@ -306,8 +306,8 @@ def patch_cosine2d(x: Tensor, weight: Tensor, stride=1, padding=0, dilation=1, g
         k (float or Tensor): sigmoid curvature > 0 (one value, or Tensor[C_out, 1, 1] on the fused path; other
             shapes broadcast as in :func:`~sphereml.angular.angular_activation`, on the reference path). Default: 0.5.
         power (float or Tensor, optional): sharpening exponent p > 0 (cosine only), shaped as ``k``.
-        backend (str): ``"auto"`` (the reference unless ``SPHEREML_FUSED=1``), ``"reference"`` or ``"fused"`` (Triton; float32 or
-            half). Default: ``"auto"``.
+        backend (str): ``"auto"`` (the reference unless ``SPHEREML_FUSED=1``), ``"reference"`` or ``"fused"``
+            (Triton; float32 or half). Default: ``"auto"``.
 
     Returns:
         Tensor[B, C_out, H', W'] in [-1, 1].

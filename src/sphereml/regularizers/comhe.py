@@ -9,7 +9,7 @@ to a low-dimensional sphere first and minimises the energy there (eq. 6.3):
     E^C_s = \sum_{i \ne j} f_s\big(\lVert g(w_i) - g(w_j) \rVert\big), \qquad
     g(w) = \frac{P w}{\lVert P w \rVert}, \qquad P \in \mathbb{R}^{k \times d}.
 
-Functional core (:mod:`~sphereml.comhe_functional`, the readable references): :func:`projected_energies`
+Functional core (:mod:`~sphereml.regularizers.comhe_functional`, the readable references): :func:`projected_energies`
 (their mean is RP-CoMHE, eq. 6.4, their max eq. 6.5), :func:`angle_distortion` (L_P of eq. 6.6) and its
 closed-form gradient :func:`angle_distortion_grad`, :func:`group_energy` (eq. 6.9) and
 :func:`bilateral_energy` (eqs. E.20-E.22).
@@ -39,15 +39,15 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor, nn
 
-from ._checks import integer, one_of, real_number
+from .._checks import integer, one_of, real_number
 from .comhe_functional import (angle_distortion, angle_distortion_grad, bilateral_energy, group_energy, project,
-                               projected_energies)
-from .energy import BATCHED_MAX, hyperspherical_energy, layer_energy
-from .energy.batched import PointSets, RowPacking, SetEnergies, pair_weights
-from .regularizers import MHE
+    projected_energies)
+from ..energy import BATCHED_MAX, hyperspherical_energy, layer_energy
+from ..energy.batched import PointSets, RowPacking, SetEnergies, pair_weights
+from . import MHE
 
-# The functional core lives in sphereml.comhe_functional; its public functions are listed here too, where the
-# regulariser's users look for them.
+# The functional core lives in sphereml.regularizers.comhe_functional; its public functions are listed here too, where
+# the regulariser's users look for them.
 __all__ = ["VARIANTS", "CoMHEOptions", "CoMHE", "projected_energies", "angle_distortion", "angle_distortion_grad",
            "group_energy", "bilateral_energy"]
 

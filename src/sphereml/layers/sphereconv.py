@@ -10,7 +10,7 @@ position, zero padding included) and g is one of the decreasing angular activati
 :mod:`sphereml.angular` (linear, cosine, sigmoid; eqs. 3.2-3.4).
 The readable definition, patch by patch with ``unfold``, is :func:`sphere_conv2d_reference`; the
 layers compute the same values with one ordinary convolution (Note [patch norm by convolution] in
-:mod:`sphereml.patches`).  A zero patch outputs g(pi/2) = 0 with finite gradients (Note [zero patch]
+:mod:`sphereml.layers.patches`).  A zero patch outputs g(pi/2) = 0 with finite gradients (Note [zero patch]
 there); this sensitivity of SphereConv to tiny patches is the one the decoupled-networks chapter
 criticises.
 
@@ -33,9 +33,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
-from ._checks import integer, real_number
-from .angular import angular_activation, check_angular
-from .geometry import normalize
+from .._checks import integer, real_number
+from ..angular import angular_activation, check_angular
+from ..geometry import normalize
 from .patches import conv_arguments, patch_cosine2d, patchwise_reference
 
 __all__ = [
@@ -48,7 +48,7 @@ def sphere_cosine2d(x: Tensor, weight: Tensor, stride=1, padding=0, dilation=1, 
                     eps: float = 1e-6) -> Tensor:
     """cos(theta) between every kernel and every receptive-field patch (eq. 3.1, cosine g).
 
-    See :func:`~sphereml.patches.patch_cosine2d` (with q = 0), and Note [zero patch] there.
+    See :func:`~sphereml.layers.patches.patch_cosine2d` (with q = 0), and Note [zero patch] there.
 
     Returns:
         Tensor[B, C_out, H', W'] in [-1, 1].
@@ -191,7 +191,7 @@ class SphereConv2d(_SphereMixin, nn.Conv2d):
         k (float): sigmoid curvature > 0 (the initial value when learned). Default: 0.5.
         learnable_k (bool): learn one k per filter, kept above ``K_FLOOR`` = 1e-3 by a softplus
             parametrisation (learnable SphereConv, §3.2.5; needs ``angular="sigmoid"``). Default: False.
-        eps (float): patch-norm floor, see Note [zero patch] in :mod:`sphereml.patches`. Default: 1e-6.
+        eps (float): patch-norm floor, see Note [zero patch] in :mod:`sphereml.layers.patches`. Default: 1e-6.
 
     The weight norm does not affect the output, so weight decay has no effect on it (§3.1);
     the layer is still an ``nn.Conv2d`` and the regularisers (orthonormality, MHE) find it.

@@ -12,11 +12,11 @@ sign is that of s . k, and p = 1, q = 0 is the cosine of SphereConv (thesis eq. 
 invariant to the scale of each kernel, so the gradient of any loss is perpendicular to every
 kernel, <dL/dk_j, k_j> = 0: under plain gradient descent kernel norms can only grow.  The readable
 definition is :func:`scs_conv2d_reference` (unfold); the layer computes c with one convolution
-(Note [patch norm by convolution] in :mod:`sphereml.patches`).
+(Note [patch norm by convolution] in :mod:`sphereml.layers.patches`).
 
 Note [sharpening without NaN]
     d abs(c)^p / dc = p abs(c)^(p-1) is infinite at c = 0 for p < 1, and d abs(c)^p / dp =
-    abs(c)^p ln abs(c) is 0 * inf there.  :func:`~sphereml.patches.sharpen` computes the exact value
+    abs(c)^p ln abs(c) is 0 * inf there.  :func:`~sphereml.layers.patches.sharpen` computes the exact value
     sign(c) abs(c)^p (so abs(out) <= 1 holds exactly, unlike the upstream (abs(c) + 1e-6)^p) and
     takes the derivatives as p abs(c)^p / max(abs(c), 1e-6) and y ln max(abs(c), 1e-6): exact for
     abs(c) >= 1e-6, finite at c = 0, at zero patches and at abs(c) = 1 in every dtype.  Reusing
@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
-from ._checks import one_of, real_number
+from .._checks import one_of, real_number
 from .patches import conv_arguments, pair, patch_cosine2d, patchwise_reference, sharpen
 
 __all__ = ["P_PARAMS", "P_MIN", "sharpen", "scs_conv2d", "scs_conv2d_reference", "SharpenedCosineSimilarity2d",

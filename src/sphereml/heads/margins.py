@@ -26,13 +26,13 @@ head                       scale                   psi(theta_y)       source
 logit, so its logits are a scale times g(theta_j) rather than times cos(theta_j).)
 
 The B x C part of :meth:`loss` (the logits and the cross-entropy) is
-:func:`~sphereml.margin_ce.margin_cross_entropy`: on CUDA two fused Triton passes, on the CPU autograd
+:func:`~sphereml.heads.margin_ce.margin_cross_entropy`: on CUDA two fused Triton passes, on the CPU autograd
 over readable steps (``head.backend`` chooses; the head computes only the B target logits).
 
 Note [margin without arccos]
     The multiplicative psi needs the branch index k = floor(m theta / pi).  k is
     piecewise constant, so it is computed from the cosine under ``no_grad`` and the
-    value (-1)^k T_m(c) - 2k is a polynomial in c (:func:`~sphereml.geometry.chebyshev_cos`).
+    value (-1)^k T_m(c) - 2k is a polynomial in c (:func:`~sphereml.heads.targets.chebyshev_cos`).
     No gradient ever passes through arccos, so gradients stay finite at c = +-1 and
     at the branch points theta = k pi / m (where psi'(theta) = 0).
 """
@@ -45,12 +45,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ._checks import integer, labels as check_labels, real_number
-from .angular import angular_activation, angular_function, check_angular, stable_arccos
-from .geometry import arcface_psi, integer_margin, multiplicative_psi, normalize, psi, safe_norm
-from .energy.triton_backend import FUSED_BACKENDS, choose_backend
+from .._checks import integer, labels as check_labels, real_number
+from ..angular import angular_activation, angular_function, check_angular, stable_arccos
+from ..energy.triton_backend import FUSED_BACKENDS, choose_backend
+from ..geometry import normalize, safe_norm
 from .margin_ce import WeightNormalizedLinear, margin_cross_entropy
 from .schedules import LambdaSchedule
+from .targets import arcface_psi, integer_margin, multiplicative_psi, psi
 
 __all__ = [
     "LambdaSchedule",
@@ -77,8 +78,8 @@ def _check_scale(s: float | None, allow_none: bool) -> float | None:
 class _MarginHead(nn.Module):
     """Shared parts: the weight, input checks, the target-logit swap and the loss.
 
-    ``backend`` chooses how the B x C part of :meth:`loss` runs (:func:`~sphereml.margin_ce.margin_cross_entropy`):
-    ``"auto"`` (default: the reference path; the fused kernels on CUDA with ``SPHEREML_FUSED=1``), ``"reference"``
+    ``backend`` chooses how the B x C part of :meth:`loss` runs
+    (:func:`~sphereml.heads.margin_ce.margin_cross_entropy`): ``"auto"`` (default: the reference path; the fused kernels on CUDA with ``SPHEREML_FUSED=1``), ``"reference"``
     or ``"fused"``.  Heads whose logits are
     not a product x W^T scaled per column (GA-Softmax) always take the reference path.
     """
@@ -356,7 +357,7 @@ class GASoftmaxLoss(_MarginHead):
 
     Class weights are normalised; the logit of class j is ||x|| g(theta_j) (or s g(theta_j)
     with a fixed scale ``s``: the S-Softmax of App. B.3, features normalised too), with g a
-    SphereConv angular function (:func:`~sphereml.sphereconv.angular_function`).  The target
+    SphereConv angular function (:func:`~sphereml.layers.sphereconv.angular_function`).  The target
     logit becomes ||x|| g(m theta_y):
 
     * linear: 1 - 2 m theta / pi, strictly decreasing on all of [0, pi] with slope -2m/pi,

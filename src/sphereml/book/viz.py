@@ -9,7 +9,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 import torch
 
-from . import _io
+from .. import _io
 
 __all__ = ["set_style", "save_and_show", "scatter_features", "image_grid", "CLASS_PALETTE"]
 

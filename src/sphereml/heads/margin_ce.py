@@ -1,6 +1,6 @@
 """The B x C part of every margin head: class logits and the cross-entropy with a margin target.
 
-A margin head (:mod:`~sphereml.margins`) computes logits z_bj = (x_b . W_j) inv_j, with
+A margin head (:mod:`~sphereml.heads.margins`) computes logits z_bj = (x_b . W_j) inv_j, with
 inv_j = 1 / max(||W_j||, eps) when the class weights are normalised (A-Softmax, CosFace, ArcFace,
 the normalised softmax) and inv_j = 1 otherwise (L-Softmax), replaces the label column by a target
 logit t_b that carries the margin, and takes the mean cross-entropy (Part I introduction, the
@@ -18,7 +18,7 @@ Only B values change, so the head computes t_b itself in O(B d) from the label r
   writes the gradient of the product, p_bj inv_j / B (softmax p, zero on the label column), with the
   column sums of that gradient times the product in the same pass (the norm term of dL/dW).  Then
   dL/dx = g' W and dL/dW = g'^T x - W_j inv_j^2 sum_b g'_bj (x_b . W_j), and dL/dt_b = (p_b,y - 1) / B.
-  The passes are Triton kernels (:mod:`sphereml._margin_kernels`) on CUDA tensors, and on CPU tensors
+  The passes are Triton kernels (:mod:`sphereml.heads._margin_kernels`) on CUDA tensors, and on CPU tensors
   under ``TRITON_INTERPRET=1``; elsewhere the same two passes run as PyTorch operations.  Both are
   custom operators (``torch.ops.sphereml.margin_ce_lse`` / ``margin_ce_grad``), so the fused loss
   traces under ``torch.compile(fullgraph=True)``.  The loss scale stays a device tensor (no host copy).
@@ -33,8 +33,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .energy.triton_backend import choose_backend, usable_on
-from .geometry import safe_norm
+from ..energy.triton_backend import choose_backend, usable_on
+from ..geometry import safe_norm
 
 __all__ = ["WeightNormalizedLinear", "margin_cross_entropy"]
 

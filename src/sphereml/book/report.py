@@ -1,9 +1,9 @@
 """Claims as a reader sees them: a verdict badge, a card per claim, a chapter's verdict table, the ledger table.
 
 Every claim of the book is a record (statement, source, the source's value, ours, verdict, kind: see
-:meth:`sphereml.chapter.Chapter.claim`).  This module turns records into HTML for the rendered book and into
+:meth:`sphereml.book.chapter.Chapter.claim`).  This module turns records into HTML for the rendered book and into
 plain text for a terminal or a script run, so a verdict always reads the same: one of the four words of
-:mod:`sphereml.verdicts` on a coloured badge, the claim, where the source makes it, and the numbers behind
+:mod:`sphereml.book.verdicts` on a coloured badge, the claim, where the source makes it, and the numbers behind
 the verdict in words (``difference +1.2 (noise level 0.8)``) rather than a key-value dump.
 
 * :class:`ClaimCard` — one claim where a chapter tests it; its HTML carries the anchor ``claim-<id>`` that
@@ -77,7 +77,7 @@ def _plain(value) -> str:
 def describe(value) -> str:
     """The numbers behind a verdict in words.
 
-    A dict from :meth:`sphereml.verdicts.SeedComparison.numbers` reads as ``A 91.2, B 90.1; difference
+    A dict from :meth:`sphereml.book.verdicts.SeedComparison.numbers` reads as ``A 91.2, B 90.1; difference
     +1.1 (noise level 0.8, margin 2), 3 seeds``: the compared values first, then the signed difference and
     the noise level it was weighed against.  Other dicts read as ``key value`` pairs separated by ``;``;
     nested dicts in parentheses.
@@ -176,7 +176,7 @@ def _ledger_row(chapter: str, number: str, runs: dict, claim_id: str, profiles: 
 
 
 def ledger_table(snapshot: dict) -> str:
-    """Every claim of a ledger snapshot (:func:`sphereml.ledger.collect`) as one HTML table.
+    """Every claim of a ledger snapshot (:func:`sphereml.book.ledger.collect`) as one HTML table.
 
     One row per claim: chapter, the claim (a link to its card in the chapter), kind, source, the source's
     value, and per profile our numbers and the verdict; a ``gpu`` pair of columns only when some chapter

@@ -1,6 +1,6 @@
 """The claims ledger: every chapter's claim records gathered into one page of the book.
 
-Each chapter states the seeds' headline claims with :meth:`~sphereml.chapter.Chapter.claim`, which
+Each chapter states the seeds' headline claims with :meth:`~sphereml.book.chapter.Chapter.claim`, which
 stores a record (statement, source, the paper's value, ours, verdict, kind) in the chapter's
 ``metrics.json``.  This module turns those records into ``book/claims.md``:
 
@@ -11,7 +11,7 @@ stores a record (statement, source, the paper's value, ours, verdict, kind) in t
   checks that the committed page is exactly ``render(snapshot)``).
 
 The command line (``python -m sphereml.book ledger``) does both after a ``cpu`` (or ``gpu``) run of
-the chapters.  Every verdict is decided by the one rule of :mod:`sphereml.verdicts`, and the page uses
+the chapters.  Every verdict is decided by the one rule of :mod:`sphereml.book.verdicts`, and the page uses
 its four words (holds, does not hold, not distinguishable, not testable), explained once at the top.
 """
 

@@ -1,0 +1,27 @@
+"""Hyperspherical layers: convolutions that look at the angle between a kernel and each receptive field.
+
+* :mod:`~sphereml.layers.patches` — every receptive field's norm and its cosine to every kernel, by convolution.
+* :mod:`~sphereml.layers.patch_epilogue` — the patch layers' division, g(theta) or sharpening in one kernel each
+  way (an opt-in on CUDA).
+* :mod:`~sphereml.layers.sphereconv` — SphereConv2d, SphereLinear, SphereNorm and the unfold reference (thesis
+  Ch. 3).
+* :mod:`~sphereml.layers.scs` — sharpened cosine similarity, max-abs pooling and the unfold reference (the SCS
+  paper).
+* :mod:`~sphereml.layers.decoupled` — decoupled operators h(||w||, ||x||) g(theta) and their unfold reference
+  (thesis Ch. 4).
+* :mod:`~sphereml.layers.decoupled_training` — weight projection, weighted gradients, pretrained initialisation.
+
+The layers themselves are importable from here (``from sphereml.layers import SphereConv2d``).
+"""
+
+from . import decoupled, decoupled_training, patch_epilogue, patches, scs, sphereconv
+from .decoupled import DecoupledConv2d, DecoupledLinear, decoupled_conv2d
+from .patches import patch_cosine2d
+from .scs import MaxAbsPool2d, SharpenedCosineSimilarity2d, scs_conv2d
+from .sphereconv import SphereConv2d, SphereLinear, SphereNorm, sphere_conv2d
+
+__all__ = [
+    "patches", "patch_epilogue", "sphereconv", "scs", "decoupled", "decoupled_training",
+    "SphereConv2d", "SphereLinear", "SphereNorm", "sphere_conv2d", "SharpenedCosineSimilarity2d", "MaxAbsPool2d",
+    "scs_conv2d", "DecoupledConv2d", "DecoupledLinear", "decoupled_conv2d", "patch_cosine2d",
+]
