@@ -19,7 +19,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from sphereml.layers.decoupled import decoupled_conv2d
 from sphereml.layers.patches import patch_cosine2d
-from sphereml.timing import forward_backward
+from sphereml.timing import forward_backward, synchronizer
 
 LAYERS = {  # name -> (weight, backend) -> the layer's forward on x
     "sphereconv": lambda w, b: lambda x: patch_cosine2d(x, w, padding=1, backend=b),
@@ -27,11 +27,6 @@ LAYERS = {  # name -> (weight, backend) -> the layer's forward on x
     "scs": lambda w, b: lambda x: patch_cosine2d(x, w, padding=1, q=1e-3, power=2.0, backend=b),
     "decoupled": lambda w, b: lambda x: decoupled_conv2d(x, w, padding=1, magnitude="tanh", backend=b),
 }
-
-
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
 
 
 def profile_layer(name: str, device: torch.device, size=(128, 128, 32), calls: int = 20, rows: int = 8) -> dict:
@@ -47,21 +42,21 @@ def profile_layer(name: str, device: torch.device, size=(128, 128, 32), calls: i
                                        for backend in backends}}
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     sort = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
-    found = {}
+    sync, found = synchronizer(device), {}
     for label, step in forward_backward(operators, x, target).items():
         for _ in range(3):
             step()
-        _synchronize(device)
+        sync()
         start = time.perf_counter()
         for _ in range(calls):
             step()
         host = (time.perf_counter() - start) / calls
-        _synchronize(device)
+        sync()
         wall = (time.perf_counter() - start) / calls
         with profile(activities=activities) as prof:
             for _ in range(5):
                 step()
-            _synchronize(device)
+            sync()
         events = prof.key_averages()
         on_device = sum(getattr(e, "self_device_time_total", 0.0) for e in events) / 5 / 1e6
         found[label] = {"wall": wall, "host": host, "device": on_device}

@@ -32,8 +32,8 @@ import torch
 from . import _io
 from ._checks import integer
 
-__all__ = ["device_name", "environment", "median_seconds", "Comparison", "compare", "PeakMemory", "peak_memory",
-           "forward_backward", "training_step", "save_result"]
+__all__ = ["device_name", "environment", "synchronizer", "median_seconds", "Comparison", "compare", "PeakMemory",
+           "peak_memory", "forward_backward", "training_step", "save_result"]
 
 
 def device_name(device: torch.device | str) -> str:
@@ -57,7 +57,8 @@ def environment(device: torch.device | str) -> dict:
             "date": datetime.date.today().isoformat()}
 
 
-def _synchronizer(device: torch.device | str) -> Callable[[], None]:
+def synchronizer(device: torch.device | str) -> Callable[[], None]:
+    """A function that waits for ``device``'s queued work (``torch.cuda.synchronize`` on CUDA, nothing else)."""
     return torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
 
 
@@ -105,7 +106,7 @@ def compare(candidates: dict[str, Callable[[], object]], baseline: str, device: 
         raise ValueError(f"baseline must be one of the candidates {sorted(candidates)}, got {baseline!r}")
     integer("repeats", repeats, at_least=1)
     integer("warmup", warmup, at_least=0)
-    sync = _synchronizer(device)
+    sync = synchronizer(device)
     for fn in candidates.values():
         for _ in range(warmup):
             fn()
