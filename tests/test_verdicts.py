@@ -137,6 +137,36 @@ def test_seed_table_collects_and_pairs_on_common_seeds():
         table.seeds("OPT")
 
 
+def test_a_seed_table_states_its_rule_once():
+    table = SeedTable(floor=0.005, n_eval=2000, chance=0.1)
+    for seed, (a, b, stuck) in enumerate([(0.80, 0.70, 0.10), (0.82, 0.71, 0.11)]):
+        table.add("MHE", seed, accuracy=a)
+        table.add("baseline", seed, accuracy=b)
+        table.add("stuck", seed, accuracy=stuck)
+    assert table.compare("MHE", "baseline") == compare_over_seeds([0.80, 0.82], [0.70, 0.71], floor=0.005,
+                                                                    n_eval=2000)
+    assert table.compare("MHE", "baseline", floor=0.5).holds is None  # an explicit floor overrides the table's
+    for seed in (0, 1):
+        table.add("MHE", seed, energy=1.0), table.add("baseline", seed, energy=2.0)
+    assert table.compare("MHE", "baseline", "energy").noise == 0.005  # no binomial term outside the table's key
+    assert table.trains("MHE", "baseline") is True and table.trains("MHE", "stuck") is False
+    assert table.beats("MHE", "baseline") is True and table.beats("baseline", "MHE") is False
+    assert table.beats("MHE", "stuck") == NOT_TESTABLE  # an arm at chance: the comparison says nothing
+    assert table.error("baseline") == 29.5
+    comparisons = [table.compare("MHE", "baseline"), table.compare("MHE", "stuck")]
+    assert table.evidence(comparisons, scale=100, digits=2) == {
+        "seeds": 2, "noise": round(100 * max(c.noise for c in comparisons), 2)}
+    with pytest.raises(ValueError, match="at least one comparison"):
+        table.evidence([])
+    bare = SeedTable()
+    bare.add("a", 0, accuracy=0.5)
+    bare.add("b", 0, accuracy=0.4)
+    with pytest.raises(ValueError, match="needs a floor"):
+        bare.compare("a", "b")
+    with pytest.raises(ValueError, match="chance and n_eval"):
+        bare.trains("a")
+
+
 def test_exact_claims_hold_within_their_tolerance():
     assert within(1.0000001, 1.0, tolerance=1e-6) is True
     assert within([0.5, 0.25], [0.5, 0.2500001], tolerance=1e-6) is True

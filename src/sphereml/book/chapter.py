@@ -207,12 +207,17 @@ class Chapter:
     def savefig(self, fig, name: str, show: bool = True) -> None:
         """Save ``fig`` as ``<output_dir>/<name>.png``, list it in the metrics, and show it (rank 0 only).
 
+        The metrics also keep the figure's smallest text and its height on a phone
+        (:func:`sphereml.book.viz.smallest_text`), which the tests hold to :data:`~sphereml.book.viz.LEGIBLE_PX`.
+
         In the book the figure is glued under ``name`` and appears where the chapter's ``{glue:figure}``
         directive gives it its number and caption (:func:`sphereml.book.viz.save_and_show`).
         """
         if not distributed.is_main_process():
             plt.close(fig)
             return
+        fig.canvas.draw()  # lay the figure out as it will be saved, then measure its smallest text
+        self.metrics.setdefault("figure_text", {})[name] = viz.smallest_text(fig)
         path = viz.save_and_show(fig, self.output_dir / f"{name}.png", show=show, glue_as=name)
         self.figures.append(path.name)
         self.metrics["figures"] = sorted(set(self.figures))

@@ -198,10 +198,17 @@ class SeedTable:
     ``table.add("MHE", seed, accuracy=0.81, energy=3.2)`` records a run; ``table.values("MHE", "accuracy")``
     lists a key over the variant's seeds (in seed order), :meth:`mean` averages it, and :meth:`compare`
     pairs two variants on their common seeds (:func:`compare_over_seeds`).
+
+    A chapter states its rule once, when it makes the table: ``SeedTable(floor=0.005, n_eval=len(test),
+    chance=0.1)``.  Then ``table.compare(a, b)`` compares accuracies with that floor and evaluation noise,
+    :meth:`trains` says whether variants cleared chance, :meth:`beats` is the verdict of "a is more accurate
+    than b" (not testable when either arm stays at chance) and :meth:`evidence` is what a claim rests on.
     """
 
-    def __init__(self):
+    def __init__(self, *, floor: float | None = None, n_eval: int | None = None, chance: float | None = None,
+                 key: str = "accuracy"):
         self.rows: dict[str, dict[int, dict[str, float]]] = {}
+        self.floor, self.n_eval, self.chance, self.key = floor, n_eval, chance, key
 
     def add(self, variant: str, seed: int, **values) -> None:
         """Record (or extend) the values of one run."""
@@ -216,22 +223,58 @@ class SeedTable:
             raise KeyError(f"no results for variant {variant!r}; have {sorted(self.rows)}")
         return sorted(self.rows[variant])
 
-    def values(self, variant: str, key: str, seeds=None) -> list[float]:
-        """``key`` of ``variant`` over ``seeds`` (default: all of its seeds, in order)."""
+    def values(self, variant: str, key: str | None = None, seeds=None) -> list[float]:
+        """``key`` (default: the table's key) of ``variant`` over ``seeds`` (default: all of its seeds, in order)."""
+        key = key or self.key
         return [self.rows[variant][s][key] for s in (self.seeds(variant) if seeds is None else seeds)]
 
-    def mean(self, variant: str, key: str) -> float:
+    def mean(self, variant: str, key: str | None = None) -> float:
         values = self.values(variant, key)
         return sum(values) / len(values)
 
-    def compare(self, a: str, b: str, key: str, *, floor: float, n_eval: int | None = None,
-                confidence: float = 0.95) -> "SeedComparison":
-        """``a`` against ``b`` on ``key``, paired on the seeds both have (see :func:`compare_over_seeds`)."""
+    def error(self, variant: str) -> float:
+        """Mean error in percent (``100 (1 - mean accuracy)``), rounded to 0.01, as the sources print errors."""
+        return round(100 * (1 - self.mean(variant)), 2)
+
+    def compare(self, a: str, b: str, key: str | None = None, *, floor: float | None = None,
+                n_eval: int | None = None, confidence: float = 0.95) -> "SeedComparison":
+        """``a`` against ``b`` on ``key``, paired on the seeds both have (see :func:`compare_over_seeds`).
+
+        The floor defaults to the table's; so does the evaluation size, but only for the table's own key (an
+        accuracy): the binomial term does not apply to other measures, which pass ``n_eval`` when they are
+        accuracies too."""
+        floor = self.floor if floor is None else floor
+        if n_eval is None and key in (None, self.key):
+            n_eval = self.n_eval
+        if floor is None:
+            raise ValueError("compare needs a floor: give one here or when making the SeedTable")
         seeds = sorted(set(self.seeds(a)) & set(self.seeds(b)))
         if not seeds:
             raise ValueError(f"{a!r} and {b!r} share no seed")
         return compare_over_seeds(self.values(a, key, seeds), self.values(b, key, seeds), floor=floor,
                                   n_eval=n_eval, confidence=confidence)
+
+    def trains(self, *variants: str) -> bool:
+        """Whether every variant named learned anything (:func:`trains` on the table's key, chance and
+        evaluation size)."""
+        if self.chance is None or self.n_eval is None:
+            raise ValueError("trains needs the SeedTable's chance and n_eval")
+        return all(trains(self.values(v), chance=self.chance, n_eval=self.n_eval) for v in variants)
+
+    def beats(self, a: str, b: str) -> bool | None | str:
+        """The verdict of "``a`` is larger than ``b``" on the table's key, :data:`NOT_TESTABLE` when either
+        arm stays at chance."""
+        return given(self.trains(a), self.trains(b), verdict=self.compare(a, b).holds)
+
+    @staticmethod
+    def evidence(comparisons, scale: float = 1.0, digits: int = 4) -> dict:
+        """What a claim over several comparisons rests on: the seeds and the largest noise level (times
+        ``scale``: 100 for points)."""
+        comparisons = list(comparisons)
+        if not comparisons:
+            raise ValueError("evidence needs at least one comparison")
+        return {"seeds": max(c.seeds for c in comparisons),
+                "noise": round(scale * max(c.noise for c in comparisons), digits)}
 
     def to_dict(self) -> dict:
         """``{variant: {seed: values}}`` (seeds as strings), for a chapter's metrics."""

@@ -11,9 +11,12 @@ import torch
 
 from .. import _io
 
-__all__ = ["set_style", "save_and_show", "scatter_features", "image_grid", "CLASS_PALETTE"]
+__all__ = ["set_style", "save_and_show", "smallest_text", "scatter_features", "image_grid", "CLASS_PALETTE",
+           "PHONE_COLUMN_PX", "LEGIBLE_PX"]
 
 CLASS_PALETTE = "tab10"
+PHONE_COLUMN_PX = 358  # the book's text column on a 390-pixel phone, in CSS pixels (tests/test_browser.py)
+LEGIBLE_PX = 6.0  # the smallest text a figure may show at that width: about a 9-point label on a 5-inch plot
 
 
 def set_style() -> None:
@@ -45,6 +48,35 @@ def save_and_show(fig: plt.Figure, path: str | Path, show: bool = True, glue_as:
         plt.show()
     plt.close(fig)
     return path
+
+
+def smallest_text(fig: plt.Figure, column_px: float = PHONE_COLUMN_PX) -> dict:
+    """The figure's smallest visible text and its height once the book fits the figure to a column.
+
+    A figure saved at ``savefig.dpi`` is ``width_in * dpi`` pixels wide; a page shows it at that size or, when
+    wider, shrunk to the column, so a ``pt``-point label appears ``pt / 72 * dpi * min(1, column_px / (width_in
+    * dpi))`` pixels tall.  Returns ``{"width_in", "smallest_pt", "text", "px"}`` (``px`` at ``column_px``), the
+    numbers :data:`LEGIBLE_PX` is checked against.
+    """
+    from matplotlib.text import Text
+
+    renderer = fig.canvas.get_renderer()
+    width_in = fig.get_tightbbox(renderer).width
+    texts = [t for t in fig.findobj(Text) if t.get_visible() and t.get_text().strip() and _shown(t)]
+    if not texts:
+        return {"width_in": round(width_in, 2), "smallest_pt": None, "text": None, "px": None}
+    small = min(texts, key=lambda t: t.get_fontsize())
+    dpi = plt.rcParams["savefig.dpi"]
+    dpi = fig.dpi if dpi == "figure" else float(dpi)
+    px = small.get_fontsize() / 72 * dpi * min(1.0, column_px / (width_in * dpi))
+    return {"width_in": round(width_in, 2), "smallest_pt": round(float(small.get_fontsize()), 1),
+            "text": small.get_text()[:40], "px": round(px, 1)}
+
+
+def _shown(text) -> bool:
+    """Whether a text artist is drawn: its own axes (if any) and legend are visible."""
+    axes = text.axes
+    return axes is None or axes.get_visible() and axes.axison or text in getattr(axes, "texts", [])
 
 
 def _glue(key: str, fig: plt.Figure) -> bool:
