@@ -14,7 +14,8 @@ NO_CLAIMS = {"10_conclusion"}
 # the per-chapter rules and collectors the book used to have, each replaced by sphereml.book.verdicts
 OWN_RULES = ("noise", "beats", "all_of", "seed_values", "over_seeds", "SEED_RANGE")
 # what a claim's verdict may be made from
-VERDICT_NAMES = {"holds", "equivalent", "at_most", "every", "given", "within", "NOT_TESTABLE", "trains"}
+VERDICT_NAMES = {"holds", "equivalent", "at_most", "every", "given", "within", "NOT_TESTABLE", "trains",
+                 "beats"}  # SeedTable.beats: given(trains(a), trains(b), verdict=compare(a, b).holds)
 
 
 def _code(path: Path) -> ast.Module:

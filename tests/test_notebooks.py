@@ -23,6 +23,7 @@ import pytest
 import yaml
 
 from sphereml import book
+from sphereml.book.viz import LEGIBLE_PX, PHONE_COLUMN_PX
 
 REPO = Path(__file__).resolve().parents[1]
 SMOKE_CACHE = REPO / "_build" / "smoke" / "_build" / ".jupyter_cache"
@@ -134,6 +135,10 @@ def test_chapter_runs_in_smoke_profile(name, smoke_run):
     assert metrics.get("figures"), "a chapter saves at least one figure"
     for fig in metrics["figures"]:
         assert (out / fig).stat().st_size > 1000
+    small = {name: text for name, text in metrics["figure_text"].items()
+             if text["px"] is not None and text["px"] < LEGIBLE_PX}
+    print(f"{name}: smallest text on a phone (px)", {k: v["px"] for k, v in metrics["figure_text"].items()})
+    assert not small, f"text under {LEGIBLE_PX} px on a {PHONE_COLUMN_PX}-px phone column: {small}"
     notebook = nbformat.read(run.executed, as_version=4)
     errors = [o for c in notebook.cells if c.cell_type == "code" for o in c.outputs if o.output_type == "error"]
     assert not errors

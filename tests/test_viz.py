@@ -56,3 +56,23 @@ def test_figures_are_glued_only_in_a_kernel_executing_for_the_book(tmp_path, mon
     assert viz._glue("key", fig) is False
     path = viz.save_and_show(fig, tmp_path / "fig", show=True, glue_as="key")
     assert path.is_file() and not plt.get_fignums()
+
+
+def test_smallest_text_is_its_height_once_the_figure_fits_a_phone_column():
+    viz.set_style()
+    fig, axes = plt.subplots(1, 2, figsize=(8, 3))
+    axes[0].plot([0, 1], [1, 0], label="line")
+    axes[0].legend(fontsize=7)
+    axes[1].axis("off")  # an axis turned off draws no tick labels: they do not count
+    axes[1].set_xticks([0.5], ["hidden"], fontsize=3)
+    fig.canvas.draw()
+    small = viz.smallest_text(fig)
+    width = fig.get_tightbbox(fig.canvas.get_renderer()).width
+    assert small["text"] == "line" and small["smallest_pt"] == 7.0
+    assert small["px"] == pytest.approx(7 / 72 * viz.PHONE_COLUMN_PX / width, abs=0.05)  # wider than the column
+    assert small["px"] < viz.LEGIBLE_PX  # 7 points on an 8-inch figure: too small on a phone
+    tiny = plt.figure(figsize=(1, 1))  # narrower than the column: shown at its own size, 150 dpi
+    tiny.text(0.5, 0.5, "x", fontsize=10)
+    tiny.canvas.draw()
+    assert viz.smallest_text(tiny, column_px=10_000)["px"] == pytest.approx(10 / 72 * 150, abs=0.05)
+    plt.close("all")

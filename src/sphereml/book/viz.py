@@ -58,11 +58,9 @@ def smallest_text(fig: plt.Figure, column_px: float = PHONE_COLUMN_PX) -> dict:
     * dpi))`` pixels tall.  Returns ``{"width_in", "smallest_pt", "text", "px"}`` (``px`` at ``column_px``), the
     numbers :data:`LEGIBLE_PX` is checked against.
     """
-    from matplotlib.text import Text
-
     renderer = fig.canvas.get_renderer()
     width_in = fig.get_tightbbox(renderer).width
-    texts = [t for t in fig.findobj(Text) if t.get_visible() and t.get_text().strip() and _shown(t)]
+    texts = list(_drawn_texts(fig))
     if not texts:
         return {"width_in": round(width_in, 2), "smallest_pt": None, "text": None, "px": None}
     small = min(texts, key=lambda t: t.get_fontsize())
@@ -73,10 +71,22 @@ def smallest_text(fig: plt.Figure, column_px: float = PHONE_COLUMN_PX) -> dict:
             "text": small.get_text()[:40], "px": round(px, 1)}
 
 
-def _shown(text) -> bool:
-    """Whether a text artist is drawn: its own axes (if any) and legend are visible."""
-    axes = text.axes
-    return axes is None or axes.get_visible() and axes.axison or text in getattr(axes, "texts", [])
+def _drawn_texts(artist):
+    """The non-empty texts an artist draws: invisible artists, and the axis lines, ticks and labels of axes
+    turned off, draw nothing."""
+    from matplotlib.axes import Axes
+    from matplotlib.axis import Axis
+    from matplotlib.text import Text
+
+    if not artist.get_visible():
+        return
+    if isinstance(artist, Text) and artist.get_text().strip():
+        yield artist
+    children = artist.get_children()
+    if isinstance(artist, Axes) and not artist.axison:
+        children = [c for c in children if not isinstance(c, Axis)]
+    for child in children:
+        yield from _drawn_texts(child)
 
 
 def _glue(key: str, fig: plt.Figure) -> bool:
