@@ -244,10 +244,10 @@ class SeedTable:
         accuracy): the binomial term does not apply to other measures, which pass ``n_eval`` when they are
         accuracies too."""
         floor = self.floor if floor is None else floor
-        if n_eval is None and key in (None, self.key):
-            n_eval = self.n_eval
         if floor is None:
             raise ValueError("compare needs a floor: give one here or when making the SeedTable")
+        if n_eval is None and key in (None, self.key):
+            n_eval = self.n_eval
         seeds = sorted(set(self.seeds(a)) & set(self.seeds(b)))
         if not seeds:
             raise ValueError(f"{a!r} and {b!r} share no seed")
