@@ -5,8 +5,9 @@
 #
 # with no argument: tests and bench.  Each part has its own time limit and prints what failed by name:
 #   tests     the test suite on CUDA (pytest -n auto, every file whose packages a GPU box has, TEST_TIMEOUT 300 s
-#             per test where pytest-timeout is installed); failing node ids
-#             in $OUT/failures.txt, the whole log in $OUT/tests.txt                      (TESTS_LIMIT, 240 s)
+#             per test where pytest-timeout is installed, one thread per worker); failing node ids
+#             in $OUT/failures.txt, their messages in $OUT/failure-messages.txt as they happen (so a suite
+#             stopped by its limit still says why), the whole log in $OUT/tests.txt     (TESTS_LIMIT, 240 s)
 #   bench     every benchmark on CUDA but the energy's scaling study (or the listed ones) (BENCH_LIMIT, 240 s)
 #   scaling   the energy's scaling study up to N = 2^20                                   (SCALING_LIMIT, 500 s)
 #   profile   each patch layer by backend: wall, host and device time per call, top kernels (PROFILE_LIMIT, 120 s)
@@ -19,6 +20,7 @@
 set -u
 OUT=${OUT:-gpu_out}
 mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)  # absolute: the tests write into it from their own working directories
 export PYTHONPATH=${PYTHONPATH:-src}:. PYTHONUNBUFFERED=1 SPHEREML_NO_DOWNLOAD=1
 PY=${PYTHON:-python3}
 PARTS=("$@")
@@ -45,7 +47,12 @@ for part in "${PARTS[@]}"; do
       # notebook need papermill, jupytext, selenium or the make set-up, which a GPU box does not have
       timeout=()
       $PY -c "import pytest_timeout" 2>/dev/null && timeout=(--timeout "${TEST_TIMEOUT:-300}")
-      step tests "${TESTS_LIMIT:-240}" $PY -m pytest -n "${WORKERS:-auto}" -v -p no:cacheprovider "${timeout[@]}" \
+      # one thread per worker: 16 workers of 16 threads each on 16 cores ran the suite at a fraction of its speed
+      # (an H200 box, 12 workers: 83 % of the tests in 265 s, the chapters beside them 4x slower than alone)
+      : > "$OUT/failure-messages.txt"
+      OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} MKL_NUM_THREADS=${MKL_NUM_THREADS:-1} \
+        SPHEREML_FAILURE_LOG="$OUT/failure-messages.txt" \
+        step tests "${TESTS_LIMIT:-240}" $PY -m pytest -n "${WORKERS:-auto}" -v -p no:cacheprovider "${timeout[@]}" \
         --continue-on-collection-errors --ignore=tests/test_book.py --ignore=tests/test_notebooks.py \
         --ignore=tests/test_browser.py --ignore=tests/test_setup.py --ignore=tests/test_chapter_verdicts.py \
         -m "not notebook" tests

@@ -28,6 +28,16 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
+def pytest_runtest_logreport(report):
+    """With $SPHEREML_FAILURE_LOG set, append each failure's node id and message to that file as it happens, so a
+    suite stopped by a time limit (benchmarks/gpu_check.sh) still says why its tests failed.  Under xdist only
+    the controller writes (the workers forward their reports to it)."""
+    path = os.environ.get("SPHEREML_FAILURE_LOG")
+    if path and report.failed and "PYTEST_XDIST_WORKER" not in os.environ:
+        with open(path, "a") as log:
+            log.write(f"{report.nodeid} ({report.when})\n{report.longreprtext}\n\n")
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

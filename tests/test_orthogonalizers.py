@@ -1,5 +1,7 @@
 """The orthogonalisers of OPT against their definitions and each other (reference §3.12 invariants 1-4, 8, 12)."""
 
+import math
+
 import pytest
 import torch
 from torch import nn
@@ -14,6 +16,7 @@ MAPS = {
     "householder": orth.householder,
     "householder_qr": lambda u: orth.qr_orthogonalize(u, rows=False),
     "lowdin": orth.lowdin,
+    "lowdin_eigh": orth.lowdin_eigh,
     "cayley": lambda u: orth.cayley(orth.skew(u)),
     "matrix_exp": lambda u: orth.exp_map(orth.skew(u)),
 }
@@ -94,6 +97,35 @@ def test_lowdin_is_the_nearest_orthogonal_matrix():
     assert all(distance <= float((q - u).norm()) + 1e-12 for q in others)
 
 
+@pytest.mark.parametrize("condition", [10.0, 1e3, 1e5])
+def test_lowdin_eigh_is_the_svd_map_in_values_and_gradients(condition):
+    """The GPU path (eigendecomposition of U^T U in float64) against the SVD, on input with distinct singular
+    values and a set condition number: Note [Löwdin on a GPU] claims float32 accuracy up to about 1e6."""
+    q1, q2 = orth.qr_orthogonalize(_raw(2, 9, 9)), orth.qr_orthogonalize(_raw(2, 9, 9, seed=1))
+    u = (q1 * torch.logspace(0, -math.log10(condition), 9, dtype=torch.float64)) @ q2
+    fast = orth.lowdin_eigh(u.float())
+    assert fast.dtype == torch.float32
+    exact = orth.lowdin(u.float().double())  # the SVD in float64 of the same float32 input
+    torch.testing.assert_close(fast.double(), exact, atol=2e-7, rtol=0)
+    assert float(orth.orthogonality_error(fast.double())) < 3e-7
+    weights = _raw(2, 9, 9, seed=2)
+    grads = []
+    for fn in (orth.lowdin, orth.lowdin_eigh):
+        x = u.clone().requires_grad_(True)
+        (fn(x) * weights).sum().backward()
+        grads.append(x.grad)
+    # forming U^T U squares the condition number: float64's 2.2e-16 grows to about 2.2e-16 * condition^2
+    assert float((grads[1] - grads[0]).norm() / grads[0].norm()) < 1e-15 * condition ** 2
+
+
+def test_lowdin_takes_the_eigendecomposition_off_the_cpu(monkeypatch):
+    calls = []
+    monkeypatch.setattr(orth, "lowdin_eigh", lambda u: calls.append(u.device.type) or u)
+    orth.lowdin(_raw(4, 4))
+    orth.lowdin(torch.empty(4, 4, device="meta"))
+    assert calls == ["meta"]
+
+
 def test_idempotence_on_orthogonal_input():
     q = orth.qr_orthogonalize(_raw(7, 7))  # rows from Gram-Schmidt: the positive-diagonal convention
     torch.testing.assert_close(orth.lowdin(q), q)
@@ -126,7 +158,8 @@ def test_cayley_matches_pytorch_parametrization():
     torch.testing.assert_close(orth.cayley(orth.skew(raw)), layer.weight.detach())
 
 
-@pytest.mark.parametrize("name", ["gs_qr", "gs_classic", "householder", "lowdin", "cayley", "matrix_exp"])
+@pytest.mark.parametrize("name", ["gs_qr", "gs_classic", "householder", "lowdin", "lowdin_eigh", "cayley",
+                                  "matrix_exp"])
 def test_gradients_match_finite_differences(name):
     u = (_raw(5, 5) + 3 * torch.eye(5, dtype=torch.float64)).requires_grad_(True)  # well conditioned
     assert torch.autograd.gradcheck(MAPS[name], (u,))

@@ -10,6 +10,18 @@ import torch  # noqa: E402
 from sphereml.book import viz  # noqa: E402
 
 
+def test_style_without_seaborn_keeps_the_palette(monkeypatch):
+    """A bare GPU box runs the chapters as scripts without seaborn: matplotlib's style with the book's palette."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "seaborn", None)  # import seaborn now raises ImportError
+    with plt.rc_context():
+        viz.set_style()
+        colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+        assert [matplotlib.colors.to_hex(c) for c in colors[:3]] == ["#1f77b4", "#ff7f0e", "#2ca02c"]
+        assert plt.rcParams["axes.spines.top"] is False
+
+
 def test_save_and_show_writes_png_and_closes(tmp_path):
     viz.set_style()
     fig, ax = plt.subplots()

@@ -20,10 +20,14 @@ LEGIBLE_PX = 6.0  # the smallest text a figure may show at that width: about a 9
 
 
 def set_style() -> None:
-    """Seaborn's clean 'ticks' style with the book's font sizes and a fixed palette."""
-    import seaborn as sns
-
-    sns.set_theme(context="notebook", style="ticks", palette=CLASS_PALETTE, font_scale=0.95)
+    """Seaborn's clean 'ticks' style with the book's font sizes and a fixed palette (matplotlib's defaults with
+    the same palette where seaborn is not installed, as on a bare GPU box running a chapter as a script)."""
+    try:
+        import seaborn as sns
+    except ImportError:
+        plt.rcParams["axes.prop_cycle"] = plt.cycler(color=plt.get_cmap(CLASS_PALETTE).colors)
+    else:
+        sns.set_theme(context="notebook", style="ticks", palette=CLASS_PALETTE, font_scale=0.95)
     plt.rcParams.update({
         "figure.dpi": 100, "savefig.dpi": 150, "savefig.bbox": "tight",
         "axes.spines.top": False, "axes.spines.right": False, "figure.autolayout": False,

@@ -15,7 +15,8 @@ the same shape, differentiably.  They are the functional core of :mod:`sphereml.
   ``rows=False`` equals :func:`householder` (in exact arithmetic, and to rounding in practice).
   Classic and modified Gram-Schmidt are one map computed two ways; they differ only in rounding.
 * :func:`lowdin` — Löwdin's symmetric orthogonalisation U (U^T U)^(-1/2) = W V^T from the SVD
-  U = W S V^T (eq. 7.4, F.12-F.14): the orthogonal matrix nearest to U in Frobenius norm.
+  U = W S V^T (eq. 7.4, F.12-F.14): the orthogonal matrix nearest to U in Frobenius norm; on a GPU
+  :func:`lowdin_eigh` computes it from the eigendecomposition of U^T U in float64.
 * :func:`cayley` — (I + A)(I - A)^(-1) of a skew-symmetric A (§7.3.4); :func:`skew` builds A = T - T^T
   from the strict upper triangle T of U; :func:`exp_map` is the matrix exponential exp(A).  The Cayley
   map of A is the (1, 1) Padé approximant of exp(2A).
@@ -40,8 +41,8 @@ from torch import Tensor
 from .._checks import integer, real_number
 from ..geometry import max_abs_scale
 
-__all__ = ["check_square", "gram_schmidt", "householder", "qr_orthogonalize", "lowdin", "skew", "cayley", "exp_map",
-           "exp_map_fixed", "MAX_SQUARINGS", "cayley_sgd_step", "orthogonality_error"]
+__all__ = ["check_square", "gram_schmidt", "householder", "qr_orthogonalize", "lowdin", "lowdin_eigh", "skew", "cayley",
+           "exp_map", "exp_map_fixed", "MAX_SQUARINGS", "cayley_sgd_step", "orthogonality_error"]
 
 _TINY = 1e-30  # a floor on squared norms: zero vectors give zeros, never NaN
 
@@ -168,10 +169,32 @@ def lowdin(u: Tensor) -> Tensor:
 
     The orthogonal matrix nearest to U in Frobenius norm (F.15, whose square the thesis drops).
     Its gradient has 1 / (s_i^2 - s_j^2) factors (the SVD's), so it needs distinct singular values.
+    On the CPU: LAPACK's SVD.  Elsewhere :func:`lowdin_eigh` (Note [Löwdin on a GPU]).
     """
     u = _rescaled(check_square(u))
+    if u.device.type != "cpu":
+        return lowdin_eigh(u)
     w, _, vh = torch.linalg.svd(u)
     return w @ vh
+
+
+def lowdin_eigh(u: Tensor) -> Tensor:
+    """U (U^T U)^(-1/2) from the eigendecomposition U^T U = V diag(lambda) V^T in float64, cast back
+    (eq. F.13 as written): the map of :func:`lowdin`.
+
+    Note [Löwdin on a GPU]
+        cuSOLVER's SVD of OPT's CNN-6 rotations (d = 27, 576 x 5, 1024) took 177-183 ms forward and backward
+        on an H200 in float32 and left them orthogonal only to 3e-4; the symmetric eigendecomposition of
+        U^T U in float64 took 48-51 ms and left them orthogonal to 5e-8
+        (``benchmarks/results/logs/gpu-check-4-h200.txt``).  Forming U^T U squares the condition number,
+        which float64 absorbs for cond(U) up to about 1e6 at float32's accuracy.  Both factorisations
+        check convergence on the host (one synchronisation per call).
+    """
+    u = check_square(u)
+    x = u.to(torch.float64)
+    lam, v = torch.linalg.eigh(x.mT @ x)
+    inv_sqrt = lam.clamp_min(_TINY).rsqrt()  # a singular U keeps finite values
+    return (((x @ v) * inv_sqrt.unsqueeze(-2)) @ v.mT).to(u.dtype)
 
 
 def skew(u: Tensor) -> Tensor:
