@@ -60,7 +60,9 @@ def test_the_energy_benchmark_runs_both_plans_in_smoke_mode(monkeypatch, capsys)
     emulated = result["gram_error_emulated"]
     assert emulated["d=64 tf32"]["max_abs"] > 10 * emulated["d=64 float32"]["max_abs"]
     assert "energy: smoke run, nothing saved" in capsys.readouterr().out
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": PATH}  # sphereml from the checkout if not installed
+    # sphereml from the checkout if not installed; one thread: the interpreter's small numpy operations gain
+    # nothing from more, and a GPU box's 16 threads per process beside 16 test workers starve each other
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": PATH, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "-m", "benchmarks.bench_energy", "--smoke", "--plan", "cuda", "--inline"],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     lines = proc.stdout.strip().splitlines()

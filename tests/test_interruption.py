@@ -19,9 +19,10 @@ REPO = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "PYTHONPATH": str(REPO / "src")}  # the subprocesses import sphereml from this checkout
 
 TRAIN = textwrap.dedent("""
-    import sys, time
+    import signal, sys, time
     import torch
     from sphereml import _io, train
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a parent that ignores SIGTERM passes that on through exec
     torch.set_num_threads(1)
     out = sys.argv[1]
     pause_at = int(sys.argv[2]) if len(sys.argv) > 2 else -1  # the step where the run waits to be killed
@@ -70,8 +71,12 @@ def test_a_run_killed_mid_epoch_resumes_to_the_same_result(sig, tmp_path, uninte
         if int(line) == kill_at:
             proc.send_signal(sig)
             break
-    proc.wait(timeout=60)
-    assert proc.returncode == -sig, "the run finished before it could be killed"
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        pytest.fail(f"the run outlived signal {sig.name} by 60 s")
+    assert proc.returncode == -sig, f"the run ended with {proc.returncode}, not killed by {sig.name}"
     assert not (tmp_path / "metrics.json").exists()
     assert (tmp_path / "run.pt").is_file(), "no checkpoint survived the kill"
     resumed = _finish(tmp_path)
