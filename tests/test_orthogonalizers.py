@@ -100,7 +100,7 @@ def test_lowdin_is_the_nearest_orthogonal_matrix():
 @pytest.mark.parametrize("condition", [10.0, 1e3, 1e5])
 def test_lowdin_eigh_is_the_svd_map_in_values_and_gradients(condition):
     """The GPU path (eigendecomposition of U^T U in float64) against the SVD, on input with distinct singular
-    values and a set condition number: Note [Löwdin on a GPU] claims float32 accuracy up to about 1e6."""
+    values and a set condition number, up to the 1e5 of Note [Löwdin on a GPU]."""
     q1, q2 = orth.qr_orthogonalize(_raw(2, 9, 9)), orth.qr_orthogonalize(_raw(2, 9, 9, seed=1))
     u = (q1 * torch.logspace(0, -math.log10(condition), 9, dtype=torch.float64)) @ q2
     fast = orth.lowdin_eigh(u.float())
