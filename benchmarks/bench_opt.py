@@ -30,12 +30,8 @@ def _network(method: str | None, device: torch.device, width: int) -> torch.nn.M
 
 
 def _step(net: torch.nn.Module, x: torch.Tensor, y: torch.Tensor):
-    methods = {opt.rotation_module(m).method for m in opt.opt_layers(net)}
-    if "ogd" in methods:
-        optimizer = opt.ogd_optimizer(net, lr=0.1)
-    else:
-        optimizer = torch.optim.SGD(net.parameters(), 0.1, momentum=0.9)
-    return training_step(net, x, y, optimizer, opt.OrthogonalRelaxation(net) if "or" in methods else None)
+    make_optimizer, regularizer = opt.training_parts(net, lr=0.1)  # OGD's Cayley steps, OR's penalty, else SGD
+    return training_step(net, x, y, make_optimizer(net.parameters()), regularizer)
 
 
 def run(device: torch.device, batch: int = 128, width: int = 64, repeats: int = 5,

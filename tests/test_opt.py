@@ -246,6 +246,27 @@ def test_orthogonal_relaxation_penalty():
     assert float(squared) == pytest.approx(expected ** 2, rel=1e-5)
 
 
+@pytest.mark.parametrize("method", ["gs", "ogd", "or"])
+def test_training_parts_follow_the_method(method):
+    """OGD trains with the Cayley optimizer (rotations at lr / 5), OR with its penalty, the rest with plain SGD."""
+    model = models.MLP(12, 3, hidden=(8,))
+    opt.overparameterize_model(model, method)
+    make_optimizer, regularizer = opt.training_parts(model, lr=0.1, weight_decay=5e-4)
+    optimizer = make_optimizer([p for p in model.parameters() if p.requires_grad])
+    if method == "ogd":
+        assert isinstance(optimizer, opt.OrthogonalSGD)
+        rotations = next(g for g in optimizer.param_groups if g["orthogonal"])
+        assert rotations["lr"] == pytest.approx(0.02) and rotations["weight_decay"] == 0.0
+    else:
+        assert type(optimizer) is torch.optim.SGD
+        assert optimizer.defaults["lr"] == 0.1 and optimizer.defaults["weight_decay"] == 5e-4
+    assert isinstance(regularizer, opt.OrthogonalRelaxation) == (method == "or")
+    assert regularizer is None or regularizer.beta == 0.1
+    if method == "ogd":
+        with pytest.raises(ValueError, match="rotation_lr"):
+            opt.training_parts(model, 0.1, rotation_lr=0.0)
+
+
 def test_table_7_2_initial_energy_from_its_definition():
     """He-normal CNN-6 (Table F.1) weights with a shifted mean; half-space s = 2 pair-mean energy summed
     over the 7 OPT layers (reference §3.11).  Paper: 3.5109, 3.5160, 3.5531, 3.6761 at means 0 .. 3e-2."""

@@ -44,7 +44,7 @@ from . import Regularizer, select_layers
 __all__ = [
     "METHODS", "ORTHOGONAL_BY_CONSTRUCTION", "OrthogonalRotation", "orthogonal_overparameterize",
     "overparameterize_model", "rotation_module", "opt_layers", "fixed_neurons", "merge", "resample", "Resampler",
-    "refine_neurons", "OrthogonalRelaxation", "OrthogonalSGD", "ogd_optimizer",
+    "refine_neurons", "OrthogonalRelaxation", "OrthogonalSGD", "ogd_optimizer", "training_parts",
 ]
 
 METHODS = ("gs", "mgs", "householder", "lowdin", "cayley", "matrix_exp", "ogd", "or", "upt")
@@ -368,3 +368,24 @@ def ogd_optimizer(model: nn.Module, lr: float = 0.1, rotation_lr: float = 0.02, 
     groups = [{"params": rotations, "orthogonal": True, "lr": rotation_lr, "weight_decay": 0.0}]
     groups += [{"params": rest}] if rest else []
     return OrthogonalSGD(groups, lr=lr, momentum=momentum, weight_decay=weight_decay, iterations=iterations)
+
+
+def training_parts(model: nn.Module, lr: float, momentum: float = 0.9, weight_decay: float = 0.0,
+                   rotation_lr: float | None = None, beta: float = 0.1):
+    """What a model's OPT layers train with: ``(make_optimizer, regularizer)``.
+
+    ``ogd`` layers need :func:`ogd_optimizer` (rotations at ``rotation_lr``, by default lr / 5: the authors'
+    0.02 at lr 0.1), ``or`` layers the penalty :class:`OrthogonalRelaxation` (weight ``beta``); otherwise plain SGD
+    with momentum and no regulariser.  ``make_optimizer(params)`` builds the optimizer, as
+    :func:`~sphereml.train.fit` takes it (``optimizer=make_optimizer``); ``regularizer`` is None or the penalty.
+    """
+    methods = {rotation_module(m).method for m in opt_layers(model)}
+    if "ogd" in methods:
+        rate = lr / 5 if rotation_lr is None else real_number("rotation_lr", rotation_lr, above=0.0)
+
+        def make_optimizer(params):  # the rotations and the rest of the model, in their own groups
+            return ogd_optimizer(model, lr=lr, rotation_lr=rate, momentum=momentum, weight_decay=weight_decay)
+    else:
+        def make_optimizer(params):
+            return torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay)
+    return make_optimizer, (OrthogonalRelaxation(model, beta=beta) if "or" in methods else None)
