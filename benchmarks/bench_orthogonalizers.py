@@ -31,15 +31,9 @@ def cholesky_qr(u: torch.Tensor, passes: int = 1) -> torch.Tensor:
     return q.to(u.dtype)
 
 
-def _svd_polar(u: torch.Tensor) -> torch.Tensor:
-    """Löwdin's map by the SVD (what :func:`~sphereml.regularizers.orthogonalizers.lowdin` does on the CPU)."""
-    w, _, vh = torch.linalg.svd(u)
-    return w @ vh
-
-
 MAPS = {
     "qr (gs, householder)": orth.qr_orthogonalize,
-    "lowdin (svd)": _svd_polar,
+    "lowdin (svd)": orth.lowdin_svd,
     "lowdin (eigh, float64)": orth.lowdin_eigh,
     "cayley": lambda u: orth.cayley(orth.skew(u)),
     "matrix_exp": lambda u: orth.exp_map(orth.skew(u)),

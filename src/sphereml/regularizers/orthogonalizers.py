@@ -41,8 +41,8 @@ from torch import Tensor
 from .._checks import integer, real_number
 from ..geometry import max_abs_scale
 
-__all__ = ["check_square", "gram_schmidt", "householder", "qr_orthogonalize", "lowdin", "lowdin_eigh", "skew", "cayley",
-           "exp_map", "exp_map_fixed", "MAX_SQUARINGS", "cayley_sgd_step", "orthogonality_error"]
+__all__ = ["check_square", "gram_schmidt", "householder", "qr_orthogonalize", "lowdin", "lowdin_svd", "lowdin_eigh",
+           "skew", "cayley", "exp_map", "exp_map_fixed", "MAX_SQUARINGS", "cayley_sgd_step", "orthogonality_error"]
 
 _TINY = 1e-30  # a floor on squared norms: zero vectors give zeros, never NaN
 
@@ -172,9 +172,12 @@ def lowdin(u: Tensor) -> Tensor:
     On the CPU: LAPACK's SVD.  Elsewhere :func:`lowdin_eigh` (Note [Löwdin on a GPU]).
     """
     u = _rescaled(check_square(u))
-    if u.device.type != "cpu":
-        return lowdin_eigh(u)
-    w, _, vh = torch.linalg.svd(u)
+    return lowdin_svd(u) if u.device.type == "cpu" else lowdin_eigh(u)
+
+
+def lowdin_svd(u: Tensor) -> Tensor:
+    """W V^T from the SVD U = W S V^T (eq. F.14): the map of :func:`lowdin`, as it computes it on the CPU."""
+    w, _, vh = torch.linalg.svd(check_square(u))
     return w @ vh
 
 
