@@ -150,3 +150,34 @@ def test_a_tiny_gpu_run_takes_gpu_paths_at_smoke_sizes(tmp_path, monkeypatch):
     monkeypatch.delenv("SPHEREML_GPU_TINY")
     full = chapter.Chapter("demo", profile="gpu", device="cpu", output_dir=str(tmp_path))
     assert full.pick(smoke=1, cpu=8, gpu=50) == 50 and full.gpu_size(40, 1) == 40
+
+
+def test_published_sources_clones_once_and_refuses_remote_clones_offline(tmp_path, monkeypatch):
+    import subprocess
+
+    origin = tmp_path / "origin"
+    (origin / "book").mkdir(parents=True)
+    (origin / "_toc.yml").write_text("root: index\n")
+    (origin / "book" / "claims.json").write_text('{"chapters": {}}\n')
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-C", str(origin)]
+    for args in (["init", "--quiet"], ["add", "."], ["commit", "--quiet", "-m", "sources"]):
+        subprocess.run(git + args, check=True, capture_output=True)
+    dest = tmp_path / "cache" / "sources"
+    assert chapter.published_sources(f"file://{origin}", dest) == dest
+    assert (dest / "book" / "claims.json").read_text() == '{"chapters": {}}\n'
+    (origin / "_toc.yml").unlink()  # a second call uses the clone as it is, without git
+    assert chapter.published_sources("file:///nowhere", dest) == dest
+    monkeypatch.setenv("SPHEREML_NO_DOWNLOAD", "1")
+    with pytest.raises(RuntimeError, match="refusing to clone https://example.org/x"):
+        chapter.published_sources("https://example.org/x", tmp_path / "other")
+    with pytest.raises(RuntimeError, match="could not clone file:///nowhere"):
+        chapter.published_sources("file:///nowhere", tmp_path / "other")
+
+
+def test_full_scale_runs_on_cuda_let_cudnn_pick_its_algorithms_and_keep_tf32_off(monkeypatch):
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", False)
+    assert chapter.configure_backends("cpu", torch.device("cuda")) == {
+        "cudnn_benchmark": False, "float32_matmul_precision": "highest"}
+    assert chapter.configure_backends("gpu", torch.device("cpu"))["cudnn_benchmark"] is False
+    assert chapter.configure_backends("paper", torch.device("cuda")) == {
+        "cudnn_benchmark": True, "float32_matmul_precision": "highest"}

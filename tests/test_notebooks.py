@@ -23,6 +23,7 @@ import pytest
 import yaml
 
 from sphereml import book
+from sphereml.book import recipes
 from sphereml.book.viz import LEGIBLE_PX, PHONE_COLUMN_PX
 
 REPO = Path(__file__).resolve().parents[1]
@@ -159,6 +160,21 @@ def test_chapter_gpu_paths_run_tiny(name, offline_smoke, monkeypatch, tmp_path):
     skipped = [k for k in metrics if k.startswith("cifar") and k.endswith("_skipped")]
     assert not skipped, f"{name} skipped {skipped}: the tiny CIFAR stands in for the archive"
     assert not [o for c in executed.cells if c.cell_type == "code" for o in c.outputs if o.output_type == "error"]
+    trained = {f["recipe"] for f in metrics["fits"] if f["recipe"]}
+    assert trained == set(recipes.PAPER.get(name, {})), f"{name}: sections trained with a recipe {trained}"
+
+
+@pytest.mark.notebook
+@pytest.mark.parametrize("name", ["05_sharpened_cosine", "09_opt"])  # a one-cycle recipe; a custom optimizer
+def test_chapter_paper_paths_run_tiny(name, offline_smoke, monkeypatch, tmp_path):
+    """The paper profile's code (the sources' own recipes, :mod:`sphereml.book.recipes`) for one epoch at tiny
+    sizes: what ``-p profile paper`` changes runs on this CPU."""
+    monkeypatch.setenv("SPHEREML_GPU_TINY", "1")
+    executed = nbformat.read(book.run_chapter(name, {"profile": "paper"}, tmp_path), as_version=4)
+    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    assert metrics["profile"] == "paper" and metrics["tiny"] is True
+    assert not [o for c in executed.cells if c.cell_type == "code" for o in c.outputs if o.output_type == "error"]
+    assert {f["recipe"] for f in metrics["fits"] if f["recipe"]} == set(recipes.PAPER[name])
 
 
 # Values that measure the machine rather than the mathematics: wall times and ratios of times.

@@ -60,24 +60,44 @@ def test_the_wheel_not_the_checkout_provides_sphereml(fresh_env):
     assert Path(where.strip()).is_relative_to(fresh_env) and "src" not in Path(where.strip()).parts
 
 
-def test_a_chapter_notebook_runs_alone_in_an_empty_folder(fresh_env, tmp_path):
+def _run_alone(fresh_env, tmp_path, chapter: str, **extra_env) -> tuple[dict, Path]:
+    """Execute ``chapter``'s .ipynb, copied alone into an empty folder, in ``fresh_env``; (executed, folder)."""
     folder = tmp_path / "reader"
     folder.mkdir()
-    notebook = folder / f"{CHAPTER}.ipynb"
-    notebook.write_bytes((REPO / "notebooks" / f"{CHAPTER}.ipynb").read_bytes())
+    notebook = folder / f"{chapter}.ipynb"
+    notebook.write_bytes((REPO / "notebooks" / f"{chapter}.ipynb").read_bytes())
     data = tmp_path / "data"
     data.mkdir()
     (data / "fashion-mnist").symlink_to(FASHION)
     env = {key: value for key, value in os.environ.items() if not key.startswith(("SPHEREML_", "PYTHON"))}
     env.update(PATH=f"{fresh_env / 'bin'}{os.pathsep}{env.get('PATH', '')}", PYTHONPATH=str(OFFLINE),
-               SPHEREML_PROFILE="smoke", SPHEREML_DATA=str(data), SPHEREML_NO_DOWNLOAD="1", MPLBACKEND="Agg")
+               SPHEREML_PROFILE="smoke", SPHEREML_DATA=str(data), SPHEREML_NO_DOWNLOAD="1", MPLBACKEND="Agg",
+               **extra_env)
     _run(fresh_env / "bin" / "python", "-m", "papermill", "--no-progress-bar", "-k", "python3", notebook.name,
          "executed.ipynb", cwd=folder, env=env)
     executed = json.loads((folder / "executed.ipynb").read_text())
     errors = [o for c in executed["cells"] for o in c.get("outputs", []) if o.get("output_type") == "error"]
-    assert not errors
+    assert not errors, errors[:1]
+    return executed, folder
+
+
+def test_a_chapter_notebook_runs_alone_in_an_empty_folder(fresh_env, tmp_path):
+    executed, folder = _run_alone(fresh_env, tmp_path, CHAPTER)
     printed = "".join("".join(o.get("text", "")) for c in executed["cells"] for o in c.get("outputs", [])
                       if o.get("name") == "stdout")
     assert "profile=smoke" in printed
     metrics = json.loads((folder / "_build" / "runs" / CHAPTER / "metrics.json").read_text())
     assert metrics["profile"] == "smoke" and metrics["claims"] and metrics["figures"]
+
+
+def test_the_conclusion_runs_alone_from_a_clone_of_the_repository(fresh_env, tmp_path):
+    """Chapter 10 reads the ledger, the benchmark results and the errata page; outside the repository it clones
+    them (here from this checkout's committed state, as ``$SPHEREML_REPO``, into a fresh home's cache)."""
+    home = tmp_path / "home"
+    home.mkdir()
+    executed, folder = _run_alone(fresh_env, tmp_path, "10_conclusion", HOME=str(home),
+                                  SPHEREML_REPO=f"file://{REPO}")
+    assert (home / ".cache" / "sphereml" / "sources" / "book" / "claims.json").is_file()
+    metrics = json.loads((folder / "_build" / "runs" / "10_conclusion" / "metrics.json").read_text())
+    assert metrics["figures"] and metrics["params"]["ledger"] == ""
+

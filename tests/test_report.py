@@ -89,6 +89,8 @@ def test_verdict_table_has_one_linked_row_per_claim():
     tags = _parse(table._repr_html_())
     assert tags.hrefs == ["#claim-a", "#claim-b"]
     assert "&lt;script&gt;" in table._repr_html_() and "<script>" not in table._repr_html_()
+    assert "<caption>2 claims in this run: holds 1, not testable 1</caption>" in table._repr_html_()
+    assert report.VerdictTable([]).counts() == "0 claims in this run"
     assert repr(table).splitlines() == ["- [holds] A < B | C (thesis Table 2.3)",
                                         "- [not testable] <script> (thesis Table 2.3)"]
 

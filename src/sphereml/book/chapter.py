@@ -4,14 +4,17 @@ Profiles (book/reproducing.md):
 
 * ``smoke`` — seconds; exercises every code path (tests and CI);
 * ``cpu``   — minutes on two cores, real data; what the rendered book shows;
-* ``gpu``   — the seed's own scale where feasible.
+* ``gpu``   — full Fashion-MNIST, and the sources' CIFAR networks for a few dozen epochs: minutes on one GPU;
+* ``paper`` — the ``gpu`` profile with the CIFAR networks trained as the sources print it (:mod:`.recipes`):
+  hours; opt-in, never chosen by ``auto``.
 
 ``auto`` resolves to ``$SPHEREML_PROFILE`` when set, else ``gpu`` when CUDA is
 available, else ``cpu``.  Every chapter opens with::
 
     ch = Chapter("06_mhe", profile, device, seed, output_dir, params=dict(...))
 
-and then uses ``ch.pick(smoke=…, cpu=…, gpu=…)`` for sizes, ``ch.fit`` / ``ch.evaluate`` /
+and then uses ``ch.pick(smoke=…, cpu=…, gpu=…)`` for sizes, ``ch.recipe`` for a source's training set-up,
+``ch.fit`` / ``ch.evaluate`` /
 ``ch.collect`` to train on its device, ``ch.savefig`` for figures, ``ch.record`` for numbers and
 ``ch.claim`` for each verdict it shows, and ``ch.show_verdicts()`` for its summary.
 """
@@ -19,7 +22,9 @@ and then uses ``ch.pick(smoke=…, cpu=…, gpu=…)`` for sizes, ``ch.fit`` / `
 from __future__ import annotations
 
 import os
+import subprocess
 import textwrap
+import time
 import weakref
 from pathlib import Path
 
@@ -28,17 +33,18 @@ import torch
 from torch.utils.data import TensorDataset
 
 from .. import _io, data, distributed
-from . import viz
+from . import recipes, viz
 from .._checks import integer
 from ..recalibration import has_running_stats, recalibrate, stats_fresh
 from ..train import collect_outputs, evaluate, fit, resolve_device, seed_everything
 from .report import ClaimCard, VerdictTable, show
 from .verdicts import NOT_TESTABLE, verdict_name
 
-__all__ = ["PROFILES", "CLAIM_KINDS", "resolve_profile", "repo_root", "default_output_dir", "resolve_output_dir",
-           "Chapter"]
+__all__ = ["PROFILES", "CLAIM_KINDS", "REPOSITORY", "resolve_profile", "configure_backends", "repo_root",
+           "published_sources", "default_output_dir", "resolve_output_dir", "Chapter"]
 
-PROFILES = ("smoke", "cpu", "gpu")
+PROFILES = ("smoke", "cpu", "gpu", "paper")
+FULL_SCALE = ("gpu", "paper")  # the profiles that train the sources' CIFAR networks
 CLAIM_KINDS = (  # what a claim is about (thesis Ch. 8's three claims, and the rest)
     "generalisation",  # accuracy on held-out data
     "convergence",  # how fast or whether training goes
@@ -46,6 +52,7 @@ CLAIM_KINDS = (  # what a claim is about (thesis Ch. 8's three claims, and the r
     "efficiency",  # time or memory
     "geometry/theory",  # an identity, a bound, a property of the representation or the weights
 )
+REPOSITORY = "https://github.com/sphereml/sphereml"  # where the book is published from (_config.yml)
 PAGE_WIDTH = 96  # characters of a printed line that fit the book's column
 RECALIBRATION_BATCHES = 40  # Chapter.recalibrate_if_stale: at most 40 x 256 training images
 
@@ -59,6 +66,21 @@ def resolve_profile(profile: str = "auto") -> str:
     return profile
 
 
+def configure_backends(profile: str, device: torch.device) -> dict:
+    """The numerics a chapter's run trains with, set for ``profile`` on ``device``; returned for its metrics.
+
+    A ``gpu`` or ``paper`` run on CUDA turns on ``torch.backends.cudnn.benchmark``: its shapes are fixed, so cuDNN
+    may time its convolution algorithms once and keep the fastest, which changes results only at float rounding
+    (and makes two runs differ there).  TF32 stays off in every chapter: several check float32 identities to
+    1e-5 or finer on their ``gpu`` scale, which TF32's 10-bit mantissa would break, and no GPU run has yet shown
+    which chapters' numbers survive it.
+    """
+    if profile in FULL_SCALE and device.type == "cuda":
+        torch.backends.cudnn.benchmark = True
+    return {"cudnn_benchmark": torch.backends.cudnn.benchmark,
+            "float32_matmul_precision": torch.get_float32_matmul_precision()}
+
+
 def repo_root(start: str | os.PathLike | None = None) -> Path | None:
     """The nearest folder at or above ``start`` (default: cwd) that holds ``_toc.yml``."""
     here = Path(start or Path.cwd()).resolve()
@@ -66,6 +88,29 @@ def repo_root(start: str | os.PathLike | None = None) -> Path | None:
         if (folder / "_toc.yml").is_file():
             return folder
     return None
+
+
+def published_sources(url: str | None = None, dest: str | os.PathLike | None = None) -> Path:
+    """The book's repository as files, for a notebook run outside it (Colab, a downloaded ``.ipynb``): chapter
+    10 reads the claims ledger, the benchmark results and the errata page from there.
+
+    A shallow ``git clone`` of ``url`` (default ``$SPHEREML_REPO``, else :data:`REPOSITORY`) into ``dest``
+    (default ``~/.cache/sphereml/sources``), made on first use; an existing clone is used as it is.
+
+    Raises:
+        RuntimeError: the clone is missing, ``url`` is remote and ``$SPHEREML_NO_DOWNLOAD`` is set, or git fails.
+    """
+    url = url or os.environ.get("SPHEREML_REPO") or REPOSITORY
+    dest = Path(dest) if dest is not None else Path.home() / ".cache" / "sphereml" / "sources"
+    if repo_root(dest) == dest.resolve():
+        return dest
+    if os.environ.get("SPHEREML_NO_DOWNLOAD") and "://" in url and not url.startswith("file://"):
+        raise RuntimeError(f"refusing to clone {url}: $SPHEREML_NO_DOWNLOAD is set")
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    done = subprocess.run(["git", "clone", "--quiet", "--depth", "1", url, str(dest)], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"could not clone {url} into {dest}: {done.stderr.strip()[-300:]}")
+    return dest
 
 
 def default_output_dir(chapter: str, start: str | os.PathLike | None = None) -> Path:
@@ -112,19 +157,21 @@ class Chapter:
         self.name = name
         distributed.init_from_env()  # under torchrun: one process per GPU, fit shares each batch
         self.profile = resolve_profile(profile)
-        # SPHEREML_GPU_TINY=1: the gpu profile's code paths at the smoke profile's sizes, with a tiny synthetic
-        # CIFAR, so that a CPU proves they execute (tests/test_notebooks.py); the ledger skips such runs
-        self.tiny = self.profile == "gpu" and os.environ.get("SPHEREML_GPU_TINY") == "1"
+        # SPHEREML_GPU_TINY=1: the gpu (or paper) profile's code paths at the smoke profile's sizes, with a tiny
+        # synthetic CIFAR, so that a CPU proves they execute (tests/test_notebooks.py); the ledger skips such runs
+        self.tiny = self.full_scale and os.environ.get("SPHEREML_GPU_TINY") == "1"
         self.device = resolve_device(device)
         self.seed = integer("seed", seed, at_least=0)
         seed_everything(seed)
+        self._started = time.perf_counter()
         self.output_dir = resolve_output_dir(name, output_dir)
         self.output_dir.mkdir(parents=True, exist_ok=True)
         self.metrics: dict = {
             "chapter": name, "profile": self.profile, "device": str(self.device),
             "device_name": torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu",
             "torch": torch.__version__, "params": dict(params or {}), "threads": torch.get_num_threads(),
-            "claims": [], "tiny": self.tiny,
+            "claims": [], "tiny": self.tiny, "fits": [], "elapsed_seconds": 0.0,
+            "backends": configure_backends(self.profile, self.device),
         }
         self.figures: list[str] = []
         self._trained_on = weakref.WeakKeyDictionary()  # model -> the data ch.fit trained it on
@@ -132,11 +179,21 @@ class Chapter:
         self.write()
 
     def pick(self, **by_profile):
-        """The value for the active profile, e.g. ``ch.pick(smoke=1, cpu=8, gpu=50)`` (a tiny gpu run: smoke's)."""
-        missing = [p for p in PROFILES if p not in by_profile]
-        if missing:
-            raise ValueError(f"pick() needs a value for every profile; missing {missing}")
+        """The value for the active profile, e.g. ``ch.pick(smoke=1, cpu=8, gpu=50)`` (a tiny gpu run: smoke's;
+        the ``paper`` profile: ``paper=`` if given, else gpu's)."""
+        missing = [p for p in PROFILES if p not in by_profile and p != "paper"]
+        unknown = sorted(set(by_profile) - set(PROFILES))
+        if missing or unknown:
+            raise ValueError(f"pick() needs a value for smoke, cpu and gpu (and may take paper); "
+                             f"missing {missing}, unknown {unknown}")
+        if self.scale == "paper" and "paper" not in by_profile:
+            return by_profile["gpu"]
         return by_profile[self.scale]
+
+    @property
+    def full_scale(self) -> bool:
+        """True in the ``gpu`` and ``paper`` profiles, which train the sources' CIFAR networks."""
+        return self.profile in FULL_SCALE
 
     @property
     def scale(self) -> str:
@@ -145,17 +202,37 @@ class Chapter:
         return "smoke" if self.tiny else self.profile
 
     def gpu_size(self, full, tiny):
-        """A size in a section only the gpu profile runs (a CIFAR network's widths or epochs): ``full``, or
-        ``tiny`` in a tiny gpu run (``SPHEREML_GPU_TINY=1``), which only proves the code executes."""
+        """A size in a section only the gpu and paper profiles run (a CIFAR network's widths): ``full``, or
+        ``tiny`` in a tiny run (``SPHEREML_GPU_TINY=1``), which only proves the code executes."""
         return tiny if self.tiny else full
 
+    def recipe(self, train_data, section: str = "cifar", **gpu) -> dict:
+        """:meth:`fit`'s keyword arguments for one of the sources' trainings (a CIFAR section).
+
+        The ``gpu`` profile trains with ``gpu`` (the chapter's shortened set-up: epochs, batch_size, lr,
+        optimizer, scheduler, ...); the ``paper`` profile with the source's own, ``recipes.PAPER[name][section]``
+        (:class:`~sphereml.book.recipes.Recipe`); a tiny run with either for one epoch.  Either way :meth:`fit`
+        records the training under ``section``, which ``python -m sphereml.book estimate`` scales.
+        """
+        paper = recipes.recipe_for(self.name, section)  # a section without one is a mistake in any profile
+        settings = paper.fit_kwargs(len(train_data)) if self.profile == "paper" else dict(gpu)
+        if self.tiny:
+            settings["epochs"] = 1
+        return {**settings, "recipe": section}
+
     # ---------------------------------------------------------------- training on the chapter's device
-    def fit(self, model, train_data, **kwargs):
+    def fit(self, model, train_data, recipe: str | None = None, **kwargs):
         """:func:`~sphereml.train.fit` on this chapter's device and seed, without a progress bar.  The training
-        data are remembered, so that :meth:`evaluate` can recalibrate the model's running statistics."""
+        data are remembered, so that :meth:`evaluate` can recalibrate the model's running statistics; the
+        metrics list each training (``fits``: its :meth:`recipe` section or None, epochs, images, seconds)."""
         kwargs = {"device": self.device, "seed": self.seed, "progress": False, **kwargs}
         self._trained_on[model] = train_data
-        return fit(model, train_data, **kwargs)
+        history = fit(model, train_data, **kwargs)
+        seconds = sum(epoch.get("seconds", 0.0) for epoch in history.epochs)
+        self.metrics["fits"].append({"recipe": recipe, "epochs": kwargs["epochs"], "n_train": len(train_data),
+                                     "seconds": round(seconds, 3)})
+        self.write()
+        return history
 
     def recalibrate_if_stale(self, model) -> None:
         """The book's one rule for networks with running statistics (BatchNorm): before an evaluation, re-estimate
@@ -261,4 +338,5 @@ class Chapter:
     def write(self) -> Path:
         """Rewrite ``metrics.json`` (rank 0 only: every rank holds the same results)."""
         path = self.output_dir / "metrics.json"
+        self.metrics["elapsed_seconds"] = round(time.perf_counter() - self._started, 1)
         return _io.write_json(self.metrics, path) if distributed.is_main_process() else path

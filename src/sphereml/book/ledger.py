@@ -10,8 +10,8 @@ stores a record (statement, source, the paper's value, ours, verdict, kind) in t
 * :func:`render` writes the page from a snapshot, so the page can always be regenerated (a test
   checks that the committed page is exactly ``render(snapshot)``).
 
-The command line (``python -m sphereml.book ledger``) does both after a ``cpu`` (or ``gpu``) run of
-the chapters.  Every verdict is decided by the one rule of :mod:`sphereml.book.verdicts`, and the page uses
+The command line (``python -m sphereml.book ledger``) does both after a ``cpu`` (or ``gpu``, or ``paper``) run
+of the chapters.  Every verdict is decided by the one rule of :mod:`sphereml.book.verdicts`, and the page uses
 its four words (holds, does not hold, not distinguishable, not testable), explained once at the top.
 """
 
@@ -22,7 +22,7 @@ import os
 from pathlib import Path
 
 from .chapter import CLAIM_KINDS, PROFILES
-from .report import ledger_table
+from .report import LEDGER_PROFILES, ledger_table
 from .verdicts import VERDICTS
 
 __all__ = ["LABELS", "collect", "render", "load_snapshot"]
@@ -37,7 +37,7 @@ def load_snapshot(path: str | os.PathLike) -> dict:
     return json.loads(path.read_text()) if path.exists() else {"chapters": {}}
 
 
-def collect(metrics_paths, snapshot: dict | None = None, profiles: tuple[str, ...] = ("cpu", "gpu")) -> dict:
+def collect(metrics_paths, snapshot: dict | None = None, profiles: tuple[str, ...] = LEDGER_PROFILES) -> dict:
     """Merge the claims of executed chapters into ``snapshot`` (a new one when None).
 
     Args:
@@ -72,7 +72,7 @@ def _check_record(record: dict, path) -> dict:
 
 def _summary(snapshot: dict) -> list[str]:
     lines = []
-    for profile in ("cpu", "gpu"):
+    for profile in LEDGER_PROFILES:
         records = [r for runs in snapshot["chapters"].values() for r in runs.get(profile, {}).get("claims", [])]
         if not records:
             lines.append(f"- `{profile}` profile: not yet run for the ledger.")
@@ -89,7 +89,7 @@ def _runs(snapshot: dict) -> list[str]:
     lines = []
     for name, runs in snapshot["chapters"].items():
         devices = "; ".join(f"`{p}` on {runs[p]['device_name']}, torch {runs[p]['torch']}"
-                            for p in ("cpu", "gpu") if p in runs)
+                            for p in LEDGER_PROFILES if p in runs)
         lines.append(f"- {{doc}}`/notebooks/{name}`: {devices}.")
     return lines
 

@@ -24,9 +24,10 @@ from numbers import Number
 
 from .verdicts import VERDICTS
 
-__all__ = ["describe", "badge", "claim_anchor", "ClaimCard", "VerdictTable", "ledger_table", "Table", "Markdown",
-           "show"]
+__all__ = ["LEDGER_PROFILES", "describe", "badge", "claim_anchor", "ClaimCard", "VerdictTable", "ledger_table", "Table",
+           "Markdown", "show"]
 
+LEDGER_PROFILES = ("cpu", "gpu", "paper")  # the profiles whose claims the ledger reports, in this order
 _BADGE_CLASS = {name: "verdict-" + name.replace(" ", "-") for name in VERDICTS.values()}
 _LEAD_KEYS = ("difference", "noise", "margin", "seeds", "seed s.d.")  # described after the compared values
 
@@ -149,8 +150,15 @@ class VerdictTable:
         rows = "".join(f'<tr><td>{badge(r["verdict"])}</td><td><a href="#{claim_anchor(r["id"])}">'
                        f'{e(r["statement"])}</a></td><td>{e(r["source"])}</td><td>{e(r["kind"])}</td></tr>'
                        for r in self.records)
-        return ('<table class="verdict-table"><thead><tr><th>verdict</th><th>claim</th><th>source</th>'
-                f'<th>kind</th></tr></thead><tbody>{rows}</tbody></table>')
+        return (f'<table class="verdict-table"><caption>{e(self.counts())}</caption><thead><tr><th>verdict</th>'
+                f'<th>claim</th><th>source</th><th>kind</th></tr></thead><tbody>{rows}</tbody></table>')
+
+    def counts(self) -> str:
+        """The table's caption: how many claims, and how many of each verdict (those that occur)."""
+        counts = {name: sum(r["verdict"] == name for r in self.records) for name in VERDICTS.values()}
+        parts = ", ".join(f"{name} {n}" for name, n in counts.items() if n)
+        total = f"{len(self.records)} claim{'s' * (len(self.records) != 1)} in this run"
+        return f"{total}: {parts}" if parts else total
 
     def __repr__(self) -> str:
         return "\n".join(f"- [{r['verdict']}] {r['statement']} ({r['source']})" for r in self.records)
@@ -179,10 +187,10 @@ def ledger_table(snapshot: dict) -> str:
     """Every claim of a ledger snapshot (:func:`sphereml.book.ledger.collect`) as one HTML table.
 
     One row per claim: chapter, the claim (a link to its card in the chapter), kind, source, the source's
-    value, and per profile our numbers and the verdict; a ``gpu`` pair of columns only when some chapter
-    has ``gpu`` records.  The table has no blank line, so Markdown keeps it as one HTML block.
+    value, and per profile our numbers and the verdict; a ``gpu`` (``paper``) pair of columns only when some
+    chapter has ``gpu`` (``paper``) records.  The table has no blank line, so Markdown keeps it as one HTML block.
     """
-    profiles = tuple(p for p in ("cpu", "gpu") if any(p in runs for runs in snapshot["chapters"].values()))
+    profiles = tuple(p for p in LEDGER_PROFILES if any(p in runs for runs in snapshot["chapters"].values()))
     head = ["chapter", "claim", "kind", "source", "source's value"]
     head += [f"{what} ({p})" for p in profiles for what in ("ours", "verdict")]
     rows = []

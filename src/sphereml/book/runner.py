@@ -9,6 +9,7 @@ Command line::
     python -m sphereml.book list
     python -m sphereml.book run 01_hypersphere -p profile smoke [-p epochs 3] [--output DIR]
     python -m sphereml.book ledger [--runs _build/runs]
+    python -m sphereml.book estimate 02_large_margin [-p profile paper] [--runs _build/runs]
 
 ``run`` executes ``notebooks/NAME.ipynb`` through papermill into DIR (default
 ``_build/runs/NAME``), which then holds the executed notebook, the figures and
@@ -16,6 +17,8 @@ Command line::
 checked against the chapter's ``parameters`` cell and values are converted to the
 type of their default.  ``ledger`` merges the claims of the runs under ``--runs`` (``cpu`` and
 ``gpu`` runs; :mod:`sphereml.book.ledger`) into ``book/claims.json`` and rewrites ``book/claims.md``.
+``estimate`` reads the chapter's measured ``gpu`` run under ``--runs`` and prints how long its ``paper`` profile
+would take on that device (:func:`sphereml.book.recipes.paper_estimate`).
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from pathlib import Path
 
 from .chapter import default_output_dir, repo_root
 
-__all__ = ["chapter_parameters", "run_chapter", "cache_executed_notebook", "write_ledger", "main"]
+__all__ = ["chapter_parameters", "run_chapter", "cache_executed_notebook", "write_ledger", "estimate_text", "main"]
 
 
 def _notebooks_dir(notebooks_dir=None) -> Path:
@@ -155,7 +158,45 @@ def _parse_args(argv):
     run.add_argument("--notebooks", default=None, help="folder of the notebooks (default <repo>/notebooks)")
     ledger = sub.add_parser("ledger", help="gather the chapters' claims into book/claims.json and book/claims.md")
     ledger.add_argument("--runs", default=None, help="folder of chapter runs (default <repo>/_build/runs)")
+    estimate = sub.add_parser("estimate", help="how long a chapter's paper profile takes, from its gpu run")
+    estimate.add_argument("name", help="notebook stem, e.g. 02_large_margin")
+    estimate.add_argument("-p", "--parameter", nargs=2, action="append", default=[], metavar=("KEY", "VALUE"),
+                          help="only 'profile paper' (the default)")
+    estimate.add_argument("--runs", default=None, help="folder of chapter runs (default <repo>/_build/runs)")
     return parser.parse_args(argv)
+
+
+def _minutes(seconds: float) -> str:
+    return f"{seconds / 3600:.1f} h" if seconds >= 5400 else f"{seconds / 60:.1f} min"
+
+
+def estimate_text(name: str, runs_dir=None, current_device: str | None = None) -> str:
+    """What ``python -m sphereml.book estimate NAME`` prints: the ``paper`` profile's expected time, scaled from
+    the chapter's ``gpu`` run in ``runs_dir`` (default ``<repo>/_build/runs``).
+
+    Raises:
+        FileNotFoundError: no run of the chapter there.
+        ValueError: the run is not a full gpu run, or it trained nothing with a recipe.
+    """
+    from .recipes import paper_estimate, recipe_for
+
+    runs_dir = Path(runs_dir) if runs_dir is not None else (repo_root() or Path.cwd()) / "_build" / "runs"
+    path = runs_dir / name / "metrics.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"no run of {name} at {path}: run `python -m sphereml.book run {name} -p profile "
+                                f"gpu` on the GPU first")
+    est = paper_estimate(json.loads(path.read_text()))
+    lines = [f"{name}: the gpu run took {_minutes(est['measured_s'])} on {est['device_name']}; its trainings with a "
+             f"source's recipe, scaled to the source's length:"]
+    for row in est["rows"]:
+        lines.append(f"  {row['section']:>10}: {row['epochs']:>3} epochs in {_minutes(row['seconds'])} -> "
+                     f"{row['paper_epochs']} epochs ({recipe_for(name, row['section']).source}): "
+                     f"{_minutes(row['estimated_s'])}")
+    lines.append(f"paper profile: about {_minutes(est['estimated_s'])} on {est['device_name']} "
+                 "(time per image taken as independent of the batch size)")
+    if current_device is not None and current_device != est["device_name"]:
+        lines.append(f"this machine has {current_device}: the estimate holds for {est['device_name']}")
+    return "\n".join(lines)
 
 
 def write_ledger(runs_dir=None, book_dir=None) -> Path:
@@ -173,11 +214,29 @@ def write_ledger(runs_dir=None, book_dir=None) -> Path:
     return page
 
 
+def _estimate(args) -> int:
+    import torch
+
+    profile = dict(args.parameter).get("profile", "paper")
+    if profile != "paper" or set(dict(args.parameter)) - {"profile"}:
+        print("error: estimate takes only '-p profile paper' (it scales a measured gpu run)", file=sys.stderr)
+        return 2
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    try:
+        print(estimate_text(args.name, args.runs, device))
+    except (FileNotFoundError, ValueError, KeyError) as err:
+        print(f"error: {str(err).strip(chr(39))}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def main(argv=None) -> int:
     args = _parse_args(argv)
     if args.command == "ledger":
         print(f"wrote {write_ledger(args.runs)}")
         return 0
+    if args.command == "estimate":
+        return _estimate(args)
     if args.command == "list":
         for nb in sorted(_notebooks_dir().glob("*.ipynb")):
             print(f"{nb.stem}: {chapter_parameters(nb)}")
