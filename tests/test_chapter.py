@@ -84,6 +84,10 @@ def test_claims_are_shown_and_recorded(tmp_path, capsys):
     assert [c["id"] for c in saved] == ["tie", "afs"] and saved[1]["verdict"] == "does not hold"
     assert set(saved[0]) == {"id", "statement", "source", "paper", "ours", "profile", "verdict", "kind"}
     assert saved[0]["kind"] == "generalisation"
+    ch.claim("unit", "a claim on a named scale", "thesis Table 2.4", ours={"a": 91.5}, holds=True,
+             kind="generalisation", unit="test accuracy %")
+    assert "ours: (test accuracy %) a 91.5" in capsys.readouterr().out
+    assert json.loads((tmp_path / "metrics.json").read_text())["claims"][-1]["unit"] == "test accuracy %"
     with pytest.raises(ValueError, match="holds must be True, False, None or 'not testable'"):
         ch.claim("x", "y", "z", ours=1, holds="yes", kind="efficiency")
     with pytest.raises(ValueError, match="kind must be one of"):
@@ -93,9 +97,10 @@ def test_claims_are_shown_and_recorded(tmp_path, capsys):
     ch.claim("arm", "a claim whose arm never trained", "thesis Table 7.5", ours=0.1, holds=verdicts.NOT_TESTABLE,
              kind="generalisation")
     ch.show_verdicts()
-    summary = capsys.readouterr().out.splitlines()[-3:]
+    summary = capsys.readouterr().out.splitlines()[-4:]
     assert summary == ["- [not distinguishable] two heads differ (thesis Table 2.4)",
                        "- [does not hold] A-Softmax lowers the angular Fisher score below softmax (thesis Table 2.3)",
+                       "- [holds] a claim on a named scale (thesis Table 2.4)",
                        "- [not testable] a claim whose arm never trained (thesis Table 7.5)"]
 
 

@@ -126,6 +126,20 @@ def test_the_chapters_kernels_have_no_network(offline_smoke):
     assert out.count("network access refused") == 2 and "loopback open" in out, out
 
 
+def _measures(ours) -> bool:
+    """Whether a claim's numbers hold a measured value (a number other than a count of seeds or repeats)."""
+    if isinstance(ours, dict):
+        return any(_measures(v) for k, v in ours.items() if k not in ("seeds", "time repeats", "draws"))
+    if isinstance(ours, (list, tuple)):
+        return any(_measures(v) for v in ours)
+    return isinstance(ours, (int, float)) and not isinstance(ours, bool)
+
+
+def test_a_claims_measured_values_are_found():
+    assert _measures({"a": 0.5, "seeds": 3}) and _measures([True, 0.1]) and _measures(2.0)
+    assert not _measures({"fails": True, "seeds": 3}) and not _measures("inferred") and not _measures(None)
+
+
 @pytest.mark.notebook
 @pytest.mark.parametrize("name", CHAPTERS)
 def test_chapter_runs_in_smoke_profile(name, smoke_run):
@@ -140,6 +154,8 @@ def test_chapter_runs_in_smoke_profile(name, smoke_run):
              if text["px"] is not None and text["px"] < LEGIBLE_PX}
     print(f"{name}: smallest text on a phone (px)", {k: v["px"] for k, v in metrics["figure_text"].items()})
     assert not small, f"text under {LEGIBLE_PX} px on a {PHONE_COLUMN_PX}-px phone column: {small}"
+    unnamed = [c["id"] for c in metrics["claims"] if _measures(c["ours"]) and not c.get("unit")]
+    assert not unnamed, f"claims whose numbers name no scale (ch.claim(..., unit=...)): {unnamed}"
     notebook = nbformat.read(run.executed, as_version=4)
     errors = [o for c in notebook.cells if c.cell_type == "code" for o in c.outputs if o.output_type == "error"]
     assert not errors

@@ -92,10 +92,27 @@ def gpu_run(**changes) -> dict:
 
 def test_paper_estimate_scales_only_the_recipe_trainings():
     est = paper_estimate(gpu_run())
-    assert est["rows"] == [{"section": "cifar", "epochs": 20, "seconds": 100.0, "paper_epochs": 92,
+    assert est["rows"] == [{"section": "cifar", "epochs": 20, "seconds": 100.0, "paper_epochs": 92, "runs": 1,
                             "estimated_s": pytest.approx(460.0)}]
     assert est["measured_s"] == 300.0 and est["estimated_s"] == pytest.approx(300.0 + 460.0 - 100.0)
     assert est["device_name"] == "NVIDIA H100"
+
+
+def test_paper_estimate_counts_the_runs_a_source_averages():
+    fits = [{"recipe": "cifar", "epochs": 15, "n_train": CIFAR_TRAIN, "seconds": 60.0}]
+    (row,) = paper_estimate(gpu_run(chapter="09_opt", fits=fits))["rows"]
+    assert row["runs"] == 10 and row["paper_epochs"] == 192  # 75k steps of 391, App. F.3's ten runs
+    assert row["estimated_s"] == pytest.approx(60.0 * 10 * 192 / 15)
+
+
+def test_runs_are_the_sources_in_the_paper_profile_only(tmp_path):
+    paper = chapter.Chapter("09_opt", profile="paper", device="cpu", output_dir=str(tmp_path / "a"))
+    gpu = chapter.Chapter("09_opt", profile="gpu", device="cpu", output_dir=str(tmp_path / "b"))
+    assert paper.runs() == 10 and gpu.runs() == 1
+    with pytest.raises(KeyError):
+        gpu.runs("imagenet")
+    with pytest.raises(ValueError, match="runs must be at least 1"):
+        Recipe("test", "sgd", 0.1, 8, epochs=2, runs=0)
 
 
 @pytest.mark.parametrize("changes, match", [
@@ -113,7 +130,8 @@ def test_estimate_command(tmp_path, capsys):
     (tmp_path / "02_large_margin" / "metrics.json").write_text(json.dumps(gpu_run()))
     assert runner.main(["estimate", "02_large_margin", "-p", "profile", "paper", "--runs", str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    assert "-> 92 epochs (thesis §2.2.7): 7.7 min" in out and "paper profile: about 11.0 min" in out
+    assert "cifar:  20 epochs in 1.7 min -> 92 epochs: 7.7 min" in out and "paper profile: about 11.0 min" in out
+    assert "  cifar recipe: thesis §2.2.7\n" in out
     assert runner.main(["estimate", "02_large_margin", "-p", "profile", "gpu", "--runs", str(tmp_path)]) == 2
     assert runner.main(["estimate", "03_spherenet", "--runs", str(tmp_path)]) == 2
     assert "no run of 03_spherenet" in capsys.readouterr().err

@@ -129,3 +129,14 @@ def test_table_renders_numbers_right_aligned_and_text_as_aligned_columns():
 def test_table_rejects_a_row_of_the_wrong_length():
     with pytest.raises(ValueError, match=r"rows \[1\] do not have 2 cells"):
         report.Table(["a", "b"], [[1, 2], [3]])
+
+
+def test_a_claim_names_the_scale_of_its_numbers_in_its_card_and_the_ledger():
+    record = _record("e", ours={"gs": 21.67, "baseline": 18.13, "difference": -3.53, "noise": 2.06, "seeds": 1})
+    record["unit"] = "test error %; the difference in accuracy points"
+    assert report.ours_text(record) == ("(test error %; the difference in accuracy points) gs 21.67; baseline 18.13; "
+                                        "difference -3.53 (noise level 2.06), 1 seed")
+    assert "ours: (test error %; the difference in accuracy points) gs" in report.ClaimCard(record)._repr_html_()
+    table = report.ledger_table({"chapters": {"09_opt": {"cpu": {"claims": [record]}}}})
+    assert "(test error %; the difference in accuracy points) gs 21.67" in table
+    assert report.ours_text(_record()) == "A 0.1; B 0.2"  # no unit, no prefix

@@ -220,6 +220,12 @@ class Chapter:
             settings["epochs"] = 1
         return {**settings, "recipe": section}
 
+    def runs(self, section: str = "cifar") -> int:
+        """Seeds per number of a source's training: the recipe's ``runs`` in the ``paper`` profile (as many as the
+        source averages), one in the others and in a tiny run."""
+        runs = recipes.recipe_for(self.name, section).runs
+        return runs if self.profile == "paper" and not self.tiny else 1
+
     # ---------------------------------------------------------------- training on the chapter's device
     def fit(self, model, train_data, recipe: str | None = None, **kwargs):
         """:func:`~sphereml.train.fit` on this chapter's device and seed, without a progress bar.  The training
@@ -305,7 +311,8 @@ class Chapter:
         self.metrics.update(values)
         self.write()
 
-    def claim(self, id: str, statement: str, source: str, ours, holds, paper=None, *, kind: str) -> None:
+    def claim(self, id: str, statement: str, source: str, ours, holds, paper=None, *, kind: str,
+              unit: str | None = None) -> None:
         """Show one verdict beside the numbers behind it (a :class:`~sphereml.book.report.ClaimCard`), and store it
         as a record in ``metrics.json``.
 
@@ -318,6 +325,7 @@ class Chapter:
                 distinguishable) or ``verdicts.NOT_TESTABLE``.
             paper: the seed's value(s), if it gives any.
             kind (str): what the claim is about, one of :data:`CLAIM_KINDS` (the conclusion groups by it).
+            unit (str, optional): the scale of ``ours`` (e.g. ``"test accuracy, fraction"``), shown before it.
         """
         if kind not in CLAIM_KINDS:
             raise ValueError(f"kind must be one of {CLAIM_KINDS}, got {kind!r}")
@@ -326,7 +334,7 @@ class Chapter:
         except ValueError:
             raise ValueError(f"holds must be True, False, None or {NOT_TESTABLE!r}, got {holds!r}") from None
         record = {"id": id, "statement": statement, "source": source, "paper": paper, "ours": ours,
-                  "profile": self.profile, "verdict": verdict, "kind": kind}
+                  "profile": self.profile, "verdict": verdict, "kind": kind} | ({"unit": unit} if unit else {})
         self.metrics["claims"] = [c for c in self.metrics["claims"] if c["id"] != id] + [record]
         self.write()
         show(ClaimCard(record))

@@ -67,7 +67,8 @@ def _check_record(record: dict, path) -> dict:
     missing = [key for key in ("id", "statement", "source", "verdict", "kind") if not record.get(key)]
     if missing or record["verdict"] not in VERDICTS.values() or record["kind"] not in CLAIM_KINDS:
         raise ValueError(f"claim record in {path} lacks {missing or 'a valid verdict and kind'}: {record}")
-    return {key: record.get(key) for key in ("id", "statement", "source", "paper", "ours", "verdict", "kind")}
+    kept = {key: record.get(key) for key in ("id", "statement", "source", "paper", "ours", "verdict", "kind")}
+    return kept | ({"unit": record["unit"]} if record.get("unit") else {})
 
 
 def _summary(snapshot: dict) -> list[str]:

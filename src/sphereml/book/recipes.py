@@ -3,8 +3,9 @@
 A chapter's ``gpu`` profile trains its CIFAR networks for a few dozen epochs; the ``paper`` profile trains them as
 the source prints it — optimiser, learning rate and its schedule, batch size and length — so that a reader with
 the hours to spare can compare with the tables digit for digit.  Each :class:`Recipe` names where its numbers are
-printed and what the source leaves open (and what we chose there).  Every table these runs compare with reports
-single runs (no error bars), so the ``paper`` profile trains one network per row, as the ``gpu`` profile does.
+printed and what the source leaves open (and what we chose there).  A recipe's ``runs`` is how many runs the source
+averages (OPT's App. F.3: ten); the other tables report single runs (no error bars), and the ``paper`` profile trains
+as many seeds per row (:meth:`~sphereml.book.chapter.Chapter.runs`).
 
 :meth:`~sphereml.book.chapter.Chapter.recipe` turns a recipe into :func:`~sphereml.train.fit`'s keyword arguments,
 and ``python -m sphereml.book estimate NAME`` scales a measured ``gpu`` run to it (:func:`paper_estimate`).
@@ -36,7 +37,9 @@ class Recipe:
         gamma (float): the factor at each milestone. Default: 0.1.
         momentum (float): SGD's momentum. Default: 0.
         weight_decay (float): L2 weight decay. Default: 0.
-        one_cycle (bool): a one-cycle schedule peaking at ``lr`` instead of milestones. Default: False.
+        one_cycle (bool): a one-cycle schedule peaking at ``lr`` instead of milestones, stepped once per epoch as
+            :func:`~sphereml.train.fit` steps every scheduler (a coarser form of a per-step schedule). Default: False.
+        runs (int): how many runs the source averages per number. Default: 1.
         open (str): what the source leaves open, and what we chose.
     """
 
@@ -51,6 +54,7 @@ class Recipe:
     momentum: float = 0.0
     weight_decay: float = 0.0
     one_cycle: bool = False
+    runs: int = 1
     open: str = ""
 
     def __post_init__(self):
@@ -63,6 +67,8 @@ class Recipe:
             raise ValueError(f"milestones must increase inside the run (0, {length}), got {self.milestones}")
         if self.one_cycle and self.milestones:
             raise ValueError("a one-cycle schedule has no milestones")
+        if self.runs < 1:
+            raise ValueError(f"runs must be at least 1, got {self.runs}")
 
     def steps_per_epoch(self, n_train: int) -> int:
         """Steps of one epoch over ``n_train`` images (the last batch may be partial)."""
@@ -105,31 +111,35 @@ PAPER: dict[str, dict[str, Recipe]] = {  # chapter -> section -> the source's se
         **_SGD_01)},
     "03_spherenet": {"cifar": _SPHERENET},
     "04_decoupled": {"cifar": Recipe(
-        "thesis §4.6 and App. C.1 (Adam, lr 1e-3, batch 128); length and schedule from §3.4.1", "adam", 1e-3, 128,
+        "thesis §4.6 and App. C.2 (Adam, lr 1e-3, batch 128); length and schedule from §3.4.1", "adam", 1e-3, 128,
         iterations=64_000, milestones=(34_000, 54_000),
-        open="the learning rate is divided by 10 'on plateau' and the length is not given; we use SphereNet's "
-             "schedule, whose augmentation §4.6 says it shares")},
+        open="the learning rate is divided by 10 'when the error plateaus' and the length is not given; we use "
+             "SphereNet's schedule, whose augmentation App. C.1.1 says DCNets share")},
     "05_sharpened_cosine": {
-        "rohrer100k": Recipe("SCS paper App. A", "adam", 0.01, 128, epochs=800, one_cycle=True,
+        "rohrer100k": Recipe("SCS paper App. A (optimiser, schedule) and §4 (800 epochs for gallery networks)",
+                             "adam", 0.01, 128, epochs=800, one_cycle=True,
                              open="the batch size is not reported; we use 128"),
-        "resnet18": Recipe("SCS paper App. A", "adam", 0.01, 128, epochs=200, one_cycle=True,
+        "resnet18": Recipe("SCS paper App. A (optimiser, schedule) and §4 (200 epochs for the others)",
+                           "adam", 0.01, 128, epochs=200, one_cycle=True,
                            open="the batch size is not reported; we use 128"),
     },
     "06_mhe": {"cifar": Recipe(
-        "thesis App. D.1", batch_size=128, weight_decay=1e-4, iterations=42_500,
+        "thesis App. D.1 (momentum: §5.5)", batch_size=128, weight_decay=1e-4, iterations=42_500,
         milestones=(20_000, 30_000, 37_500), **_SGD_01)},
     "07_comhe": {"cifar": Recipe(
-        "thesis App. E.1 (SGD, momentum 0.9, batch 128, lr 0.1, weight decay 1e-4); length and schedule from the "
-        "authors' code", batch_size=128, weight_decay=1e-4, **_AUTHORS_75K, **_SGD_01,
-        open="the thesis divides the rate 'when saturated'; the authors' code at 30k, 50k and 65k of 75k steps")},
+        "thesis App. E.1 (batch 128, lr 0.1, weight decay 1e-4) and §6.6 (SGD, momentum 0.9); length and schedule "
+        "from the authors' code", batch_size=128, weight_decay=1e-4, **_AUTHORS_75K, **_SGD_01,
+        open="the thesis divides the rate 'when saturated', by a factor it does not give; the authors' code by 10 "
+             "at 30k, 50k and 65k of 75k steps (with weight decay 5e-4, where we keep the thesis's 1e-4)")},
     "08_convsim": {
-        "cnn": Recipe("ConvSim paper §6 (Table 8)", "sgd", 0.01, 512, epochs=100,
+        "cnn": Recipe("ConvSim paper §6.2 (Table 8)", "sgd", 0.01, 512, epochs=100,
                       open="momentum is not stated; §7 implies plain SGD"),
-        "resnet18": Recipe("ConvSim paper §6.4 (Fig. 7: lr 0.01, batch 64)", "sgd", 0.01, 64, epochs=50),
+        "resnet18": Recipe("ConvSim paper §6.4 (Fig. 7: lr 0.01, batch 64)", "sgd", 0.01, 64, epochs=50,
+                           open="momentum is not stated; §7 implies plain SGD"),
     },
     "09_opt": {"cifar": Recipe(
-        "thesis App. F.1 (SGD, momentum 0.9, batch 128, lr 0.1, weight decay 5e-4); length and schedule from the "
-        "authors' code", batch_size=128, weight_decay=5e-4, **_AUTHORS_75K, **_SGD_01,
+        "thesis App. F.3 (SGD, momentum 0.9, batch 128, lr 0.1, weight decay 5e-4, 10 runs); length and schedule "
+        "from the authors' code", batch_size=128, weight_decay=5e-4, **_AUTHORS_75K, **_SGD_01, runs=10,
         open="the thesis divides the rate 'when saturated'; the authors' code at 30k, 50k and 65k of 75k steps")},
 }
 
@@ -149,11 +159,12 @@ def paper_estimate(metrics: dict) -> dict:
 
     The run's trainings with a recipe (:meth:`~sphereml.book.chapter.Chapter.recipe`) are scaled by the images
     the source's recipe trains on against those the run trained on (time per image assumed independent of the
-    batch size); everything else (the Fashion-MNIST sections, evaluations, figures) is taken as measured.
+    batch size), times the recipe's ``runs``; everything else (the Fashion-MNIST sections, evaluations, figures) is
+    taken as measured.
 
     Returns:
         ``{"device_name", "measured_s", "estimated_s", "rows": [{"section", "epochs", "seconds", "paper_epochs",
-        "estimated_s"}]}``.
+        "runs", "estimated_s"}]}``.
 
     Raises:
         ValueError: the run is not a full ``gpu`` run, or it trained nothing with a recipe.
@@ -169,8 +180,9 @@ def paper_estimate(metrics: dict) -> dict:
     for fit in fits:
         recipe = recipe_for(metrics["chapter"], fit["recipe"])
         epochs = recipe.num_epochs(fit["n_train"])
+        scale = recipe.runs * epochs / max(fit["epochs"], 1)  # the gpu profile trains each row once
         rows.append({"section": fit["recipe"], "epochs": fit["epochs"], "seconds": fit["seconds"],
-                     "paper_epochs": epochs, "estimated_s": fit["seconds"] * epochs / max(fit["epochs"], 1)})
+                     "paper_epochs": epochs, "runs": recipe.runs, "estimated_s": fit["seconds"] * scale})
     measured = float(metrics.get("elapsed_seconds", sum(f["seconds"] for f in metrics.get("fits", []))))
     scaled = sum(r["estimated_s"] - r["seconds"] for r in rows)
     return {"device_name": metrics.get("device_name"), "measured_s": measured, "estimated_s": measured + scaled,

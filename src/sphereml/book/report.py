@@ -24,7 +24,7 @@ from numbers import Number
 
 from .verdicts import VERDICTS
 
-__all__ = ["LEDGER_PROFILES", "describe", "badge", "claim_anchor", "ClaimCard", "VerdictTable", "ledger_table", "Table",
+__all__ = ["LEDGER_PROFILES", "describe", "ours_text", "badge", "claim_anchor", "ClaimCard", "VerdictTable", "ledger_table", "Table",
            "Markdown", "show"]
 
 LEDGER_PROFILES = ("cpu", "gpu", "paper")  # the profiles whose claims the ledger reports, in this order
@@ -114,8 +114,15 @@ def claim_anchor(claim_id: str) -> str:
     return "claim-" + re.sub(r"[^A-Za-z0-9_-]", "-", claim_id)
 
 
+def ours_text(record: dict) -> str:
+    """A claim record's own numbers in words, after the scale they are on when the record names it
+    (``unit``: e.g. "test error %; differences in accuracy points")."""
+    unit = record.get("unit")
+    return (f"({unit}) " if unit else "") + describe(record["ours"])
+
+
 def _numbers_text(record: dict) -> str:
-    text = f"ours: {describe(record['ours'])}"
+    text = f"ours: {ours_text(record)}"
     return text + (f" — source: {describe(record['paper'])}" if record.get("paper") is not None else "")
 
 
@@ -132,7 +139,7 @@ class ClaimCard:
         return (f'<div class="claim-card" id="{claim_anchor(r["id"])}">{badge(r["verdict"])} '
                 f'<span class="claim-statement">{e(r["statement"])}</span> '
                 f'<span class="claim-source">({e(r["source"])})</span>'
-                f'<div class="claim-numbers">ours: {e(describe(r["ours"]))}</div>{paper}</div>')
+                f'<div class="claim-numbers">ours: {e(ours_text(r))}</div>{paper}</div>')
 
     def __repr__(self) -> str:
         r = self.record
@@ -177,7 +184,7 @@ def _ledger_row(chapter: str, number: str, runs: dict, claim_id: str, profiles: 
              f'<td data-label="source\'s value">{e(describe(record["paper"]))}</td>']
     for profile in profiles:
         found = records[profile]
-        cells.append(f'<td data-label="ours ({profile})">{e(describe(found["ours"])) if found else "not run"}</td>')
+        cells.append(f'<td data-label="ours ({profile})">{e(ours_text(found)) if found else "not run"}</td>')
         cells.append(f'<td data-label="verdict ({profile})" data-sort="{found["verdict"] if found else "~"}">'
                      f'{badge(found["verdict"]) if found else "not run"}</td>')
     return "<tr>" + "".join(cells) + "</tr>"

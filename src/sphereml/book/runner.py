@@ -189,9 +189,11 @@ def estimate_text(name: str, runs_dir=None, current_device: str | None = None) -
     lines = [f"{name}: the gpu run took {_minutes(est['measured_s'])} on {est['device_name']}; its trainings with a "
              f"source's recipe, scaled to the source's length:"]
     for row in est["rows"]:
+        runs = f" x {row['runs']} runs" if row["runs"] > 1 else ""
         lines.append(f"  {row['section']:>10}: {row['epochs']:>3} epochs in {_minutes(row['seconds'])} -> "
-                     f"{row['paper_epochs']} epochs ({recipe_for(name, row['section']).source}): "
-                     f"{_minutes(row['estimated_s'])}")
+                     f"{row['paper_epochs']} epochs{runs}: {_minutes(row['estimated_s'])}")
+    lines += [f"  {section} recipe: {recipe_for(name, section).source}"
+              for section in dict.fromkeys(row["section"] for row in est["rows"])]
     lines.append(f"paper profile: about {_minutes(est['estimated_s'])} on {est['device_name']} "
                  "(time per image taken as independent of the batch size)")
     if current_device is not None and current_device != est["device_name"]:
