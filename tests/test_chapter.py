@@ -74,8 +74,8 @@ def test_claims_are_shown_and_recorded(tmp_path, capsys):
     assert returned is None  # nothing for a notebook cell to echo
     record = json.loads((tmp_path / "metrics.json").read_text())["claims"][0]
     ch.claim("tie", "two heads differ", "thesis Table 2.4", ours=0.001, holds=None, paper=0.5, kind="generalisation")
-    ch.claim("afs", "A-Softmax lowers the angular Fisher score below softmax", "thesis Table 2.3",
-             ours={"softmax": 0.138, "A-Softmax": 0.2}, holds=False, kind="geometry/theory")  # the same id is replaced, not repeated
+    ch.claim("afs", "A-Softmax lowers the angular Fisher score below softmax", "thesis Table 2.3",  # replaced
+             ours={"softmax": 0.138, "A-Softmax": 0.2}, holds=False, kind="geometry/theory")
     printed = capsys.readouterr().out
     assert "[holds] A-Softmax lowers" in printed and "ours: softmax 0.138; A-Softmax 0.116" in printed
     assert "[not distinguishable] two heads differ" in printed and "source: 0.5" in printed
@@ -119,7 +119,6 @@ def test_cifar_is_skipped_with_a_note_when_the_archive_is_missing(tmp_path, monk
 def test_evaluate_recalibrates_running_statistics_once_after_each_fit(tmp_path, monkeypatch):
     """The book's one rule: a network with BatchNorm is evaluated with statistics re-estimated from its training
     data (once per fit), unless the chapter asks to see the stale ones."""
-    from sphereml import train
     from sphereml.data import sphere_clusters
 
     ch = chapter.Chapter("demo", profile="cpu", device="cpu", seed=0, output_dir=str(tmp_path))

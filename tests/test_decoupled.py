@@ -410,7 +410,8 @@ def test_recalibrate_reestimates_batchnorm_and_patch_norm_means():
 
 
 def test_recalibrated_restores_the_running_statistics_after_the_block():
-    """recalibration.recalibrated: inside, the statistics of recalibrate; after, the ones the model had, and its flags."""
+    """recalibration.recalibrated: inside, the statistics of recalibrate; after, the ones the model had, and its
+    flags."""
     from sphereml.recalibration import recalibrate, recalibrated, stats_fresh
 
     net, x, data = _statistics_net(28)

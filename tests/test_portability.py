@@ -25,7 +25,8 @@ OFFLINE = REPO / "tests" / "offline"  # the kernels' network guard (sitecustomiz
 FASHION = Path("/usr/share/datasets/fashion-mnist")
 CHAPTER = "01_hypersphere"
 
-pytestmark = [pytest.mark.notebook, pytest.mark.subprocess, pytest.mark.skipif(not FASHION.is_dir(), reason="needs Fashion-MNIST")]
+pytestmark = [pytest.mark.notebook, pytest.mark.subprocess,
+              pytest.mark.skipif(not FASHION.is_dir(), reason="needs Fashion-MNIST")]
 
 
 def _run(*args, **kwargs):

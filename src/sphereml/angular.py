@@ -40,8 +40,8 @@ from torch import Tensor
 
 from ._checks import one_of, real_number
 
-__all__ = ["ANGULAR", "DECOUPLED_ANGULAR", "check_angular", "check_k", "angular_function", "angular_activation", "stable_arccos",
-           "inverse_sine"]
+__all__ = ["ANGULAR", "DECOUPLED_ANGULAR", "check_angular", "check_k", "angular_function", "angular_activation",
+           "stable_arccos", "inverse_sine"]
 
 ANGULAR = ("linear", "cosine", "sigmoid")  # SphereConv (Ch. 3) and GA-Softmax
 DECOUPLED_ANGULAR = ANGULAR + ("sqcosine",)  # the decoupled operators (Ch. 4, eqs. 4.11-4.14)

@@ -14,9 +14,8 @@ available, else ``cpu``.  Every chapter opens with::
     ch = Chapter("06_mhe", profile, device, seed, output_dir, params=dict(...))
 
 and then uses ``ch.pick(smoke=…, cpu=…, gpu=…)`` for sizes, ``ch.recipe`` for a source's training set-up,
-``ch.fit`` / ``ch.evaluate`` /
-``ch.collect`` to train on its device, ``ch.savefig`` for figures, ``ch.record`` for numbers and
-``ch.claim`` for each verdict it shows, and ``ch.show_verdicts()`` for its summary.
+``ch.fit`` / ``ch.evaluate`` / ``ch.collect`` to train on its device, ``ch.savefig`` for figures, ``ch.record``
+for numbers and ``ch.claim`` for each verdict it shows, and ``ch.show_verdicts()`` for its summary.
 """
 
 from __future__ import annotations
@@ -197,8 +196,9 @@ class Chapter:
 
     @property
     def scale(self) -> str:
-        """The profile whose sizes this run uses: the profile itself, ``"smoke"`` in a tiny gpu run.  Checks that
-        need a run long enough to decide (``if ch.scale != "smoke": assert ...``) ask this, not the profile."""
+        """The profile whose sizes this run uses: the profile itself, ``"smoke"`` in a tiny gpu or paper run.
+        Checks that need a run long enough to decide (``if ch.scale != "smoke": assert ...``) ask this, not the
+        profile."""
         return "smoke" if self.tiny else self.profile
 
     def gpu_size(self, full, tiny):

@@ -17,11 +17,10 @@ with a ``GPUTarget``; Triton 3.9) and reading ``ptxas -v``: the forward uses 64 
 tensor-core backward 64 rows by 16 or 32 columns and d-slices of 128 or 256 (TF32: 0 to 124
 bytes of spills, TF32x3: 0 to 612; autotuning weighs them against recomputing the Gram tiles
 d / BDO times), and the IEEE backward 16 columns (with 64 columns a 64 x 64 x 128 FMA product
-unrolls into 25 kB of spills and 16 s of compile per configuration).  Timed on an H200 (Triton 3.6,
-N = 32768, d = 512, s = 2, each configuration alone: benchmarks/results/energy_triton_configs-cuda.json):
-forward at IEEE 77-79 ms for all three; backward (with the forward) at TF32 116 / 185 / 196 / 336 ms
-for BN = 32 BDO = 256, BN = 16 BDO = 256, BN = 32 BDO = 128, BN = 16 BDO = 128; at IEEE 1.74 s with
-BDO = 128 and over 45 s with BDO = 64, which is therefore dropped.
+unrolls into 25 kB of spills and 16 s of compile per configuration).  Each configuration's time alone
+(N = 32768, d = 512, s = 2) is in benchmarks/results/energy_triton_configs-cuda.json: the three forward
+configurations are within a few per cent of each other; autotuning the IEEE backward over BDO = 64 and 128
+did not finish within the run's 45-s limit where BDO = 128 alone took under 2 s, so BDO = 64 is dropped.
 """
 
 import os
@@ -46,7 +45,7 @@ else:
     FORWARD_CONFIGS = [_config(8, 3, BLOCK=64, BD=32), _config(8, 2, BLOCK=64, BD=32), _config(4, 3, BLOCK=32, BD=32)]
     BACKWARD_CONFIGS = [_config(8, 2, BM=64, BN=16, BD=32, BDO=256), _config(8, 2, BM=64, BN=16, BD=32, BDO=128),
                         _config(8, 2, BM=64, BN=32, BD=32, BDO=256), _config(8, 2, BM=64, BN=32, BD=32, BDO=128)]
-    # BDO = 64 (BN = 16) ran over 45 s at N = 32768, d = 512 on the H200; BDO = 128 took 1.74 s there
+    # no BDO = 64 for IEEE: see the module docstring (benchmarks/results/energy_triton_configs-cuda.json)
     IEEE_BACKWARD_CONFIGS = [_config(8, 2, BM=64, BN=16, BD=32, BDO=128)]
     if os.environ.get("SPHEREML_TRITON_AUTOTUNE", "1") == "0":  # quick GPU test runs: one configuration each
         FORWARD_CONFIGS, BACKWARD_CONFIGS, IEEE_BACKWARD_CONFIGS = (FORWARD_CONFIGS[:1], BACKWARD_CONFIGS[:1],

@@ -93,11 +93,11 @@ def choose_backend(backend: str, x: Tensor, fusable: bool = True) -> str:
     """``"reference"`` or ``"fused"`` for the fused margin heads and patch layers (:data:`FUSED_BACKENDS`).
 
     ``"auto"`` is ``"reference"`` unless ``SPHEREML_FUSED=1``, which makes it ``"fused"`` for ``fusable`` CUDA
-    tensors with Triton installed.  The fused kernels are an opt-in because they were measured slower on an
-    H200 (``benchmarks/results/*-cuda.json``, 2026-11-27): the patch epilogue in every SphereConv and SCS
-    shape timed (B=128, 128 channels, 32x32: 2.47 ms against 2.00 ms eager) and, as an opaque operator, it
-    keeps ``torch.compile`` from fusing the epilogue; the margin heads at C=10,000 (3.31 against 2.14 ms),
-    though 9 % faster at C=100,000."""
+    tensors with Triton installed.  The fused kernels are an opt-in because they were measured slower than
+    the reference on a GPU (``benchmarks/results/sphereconv_*-cuda.json``, ``scs_*-cuda.json``,
+    ``margin_heads_*-cuda.json``): the patch epilogue in every SphereConv and SCS shape timed, where as an opaque
+    operator it also keeps ``torch.compile`` from fusing the epilogue, and the margin heads at C = 10,000 (not
+    at C = 100,000)."""
     if backend not in FUSED_BACKENDS:
         raise ValueError(f"backend must be one of {FUSED_BACKENDS}, got {backend!r}")
     if backend != "auto":

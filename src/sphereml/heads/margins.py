@@ -79,9 +79,9 @@ class _MarginHead(nn.Module):
     """Shared parts: the weight, input checks, the target-logit swap and the loss.
 
     ``backend`` chooses how the B x C part of :meth:`loss` runs
-    (:func:`~sphereml.heads.margin_ce.margin_cross_entropy`): ``"auto"`` (default: the reference path; the fused kernels on CUDA with ``SPHEREML_FUSED=1``), ``"reference"``
-    or ``"fused"``.  Heads whose logits are
-    not a product x W^T scaled per column (GA-Softmax) always take the reference path.
+    (:func:`~sphereml.heads.margin_ce.margin_cross_entropy`): ``"auto"`` (default: the reference path; the fused
+    kernels on CUDA with ``SPHEREML_FUSED=1``), ``"reference"`` or ``"fused"``.  Heads whose logits are not a
+    product x W^T scaled per column (GA-Softmax) always take the reference path.
     """
 
     weight_normalized: bool | None = None  # logits (x . W_j) / ||W_j|| (True), x . W_j (False), other (None)

@@ -336,7 +336,8 @@ class _DecoupledMixin:
         return batch_mean
 
     def reset_running_stats(self) -> None:
-        """Forget E{||x||} (as ``BatchNorm``'s method of the same name; see :func:`~sphereml.recalibration.recalibrate`)."""
+        """Forget E{||x||} (as ``BatchNorm``'s method of the same name; see
+        :func:`~sphereml.recalibration.recalibrate`)."""
         if self.radius_norm:
             self.norm_mean.fill_(1.0)
             self.norm_mean_updates.zero_()

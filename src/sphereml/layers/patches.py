@@ -33,10 +33,10 @@ Note [fused epilogue]
     loss's sum), reading the inner products once; the patch norms still come from the depthwise convolution
     above.  Counted on the CPU by ``tests/test_patch_epilogue.py``.  The fused output keeps the input's dtype
     (bf16 stays bf16, as a convolution's); the reference path promotes half inputs to float32.  Fewer passes
-    did not make it faster: on an H200 the fused layer took longer than the reference nodes in every shape
-    timed, and under ``torch.compile`` the opaque kernel keeps inductor from fusing the epilogue itself, so
-    ``"auto"`` takes the reference path unless ``SPHEREML_FUSED=1``
-    (:func:`~sphereml.energy.triton_backend.choose_backend`).
+    did not make it faster: on a GPU the fused layer took longer than the reference nodes in every shape
+    timed (``benchmarks/results/sphereconv_*-cuda.json``, ``scs_*-cuda.json``), and under ``torch.compile`` the
+    opaque kernel keeps inductor from fusing the epilogue itself, so ``"auto"`` takes the reference path unless
+    ``SPHEREML_FUSED=1`` (:func:`~sphereml.energy.triton_backend.choose_backend`).
 
 Note [patch norm without overflow]
     In float32 and bfloat16 the square of 1e19 is inf and that of 1e-20 is 0.  Each sample is

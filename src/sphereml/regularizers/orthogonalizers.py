@@ -186,13 +186,13 @@ def lowdin_eigh(u: Tensor) -> Tensor:
     (eqs. F.12-F.14 computed as written): the map of :func:`lowdin`.
 
     Note [Löwdin on a GPU]
-        cuSOLVER's SVD of OPT's CNN-6 rotations (d = 27, 576 x 5, 1024) took 177-183 ms forward and backward
-        on an H200 in float32 and left them orthogonal only to 3e-4; the symmetric eigendecomposition of
-        U^T U in float64 took 48-51 ms and left them orthogonal to 5e-8
-        (``benchmarks/results/logs/gpu-check-4-h200.txt``).  Forming U^T U squares the condition number:
-        in float64 the values keep float32's accuracy up to cond(U) = 1e5 at least (tested), the gradient a
-        relative error of about 2e-16 cond(U)^2.  Both factorisations check convergence on the host (one
-        synchronisation per call).
+        On a GPU, cuSOLVER's float32 SVD of OPT's CNN-6 rotations (d = 27, 576 x 5, 1024) left them orthogonal
+        only to about 3e-4 and took several times longer forward and backward than the symmetric
+        eigendecomposition of U^T U in float64, which left them orthogonal to about 5e-8
+        (``benchmarks/results/logs/gpu-check-4-h200.txt``; :mod:`benchmarks.bench_orthogonalizers` times both).
+        Forming U^T U squares the condition number: in float64 the values keep float32's accuracy up to
+        cond(U) = 1e5 at least (tested), the gradient a relative error of about 2e-16 cond(U)^2.  Both
+        factorisations check convergence on the host (one synchronisation per call).
     """
     u = check_square(u)
     x = u.to(torch.float64)
