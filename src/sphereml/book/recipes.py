@@ -163,8 +163,8 @@ def paper_estimate(metrics: dict) -> dict:
     taken as measured.
 
     Returns:
-        ``{"device_name", "measured_s", "estimated_s", "rows": [{"section", "epochs", "seconds", "paper_epochs",
-        "runs", "estimated_s"}]}``.
+        dict: ``device_name``, ``measured_s``, ``estimated_s`` and ``rows``, one dict per recipe training with
+        ``section``, ``epochs``, ``seconds``, ``paper_epochs``, ``runs`` and ``estimated_s``.
 
     Raises:
         ValueError: the run is not a full ``gpu`` run, or it trained nothing with a recipe.
