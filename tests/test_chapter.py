@@ -185,3 +185,9 @@ def test_full_scale_runs_on_cuda_let_cudnn_pick_its_algorithms_and_keep_tf32_off
     assert chapter.configure_backends("gpu", torch.device("cpu"))["cudnn_benchmark"] is False
     assert chapter.configure_backends("paper", torch.device("cuda")) == {
         "cudnn_benchmark": True, "float32_matmul_precision": "highest"}
+
+
+def test_published_sources_says_when_git_is_missing(tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path))  # no git on the path
+    with pytest.raises(RuntimeError, match="git is not installed"):
+        chapter.published_sources("file:///nowhere", tmp_path / "clone")

@@ -15,7 +15,7 @@
 
 import importlib
 
-RUNNER = ("chapter_parameters", "run_chapter", "cache_executed_notebook", "write_ledger", "main")
+RUNNER = ("chapter_parameters", "run_chapter", "cache_executed_notebook", "write_ledger", "estimate_text", "main")
 
 __all__ = list(RUNNER)
 

@@ -106,7 +106,11 @@ def published_sources(url: str | None = None, dest: str | os.PathLike | None = N
     if os.environ.get("SPHEREML_NO_DOWNLOAD") and "://" in url and not url.startswith("file://"):
         raise RuntimeError(f"refusing to clone {url}: $SPHEREML_NO_DOWNLOAD is set")
     dest.parent.mkdir(parents=True, exist_ok=True)
-    done = subprocess.run(["git", "clone", "--quiet", "--depth", "1", url, str(dest)], capture_output=True, text=True)
+    try:
+        done = subprocess.run(["git", "clone", "--quiet", "--depth", "1", url, str(dest)], capture_output=True,
+                              text=True)
+    except FileNotFoundError:
+        raise RuntimeError(f"could not clone {url}: git is not installed") from None
     if done.returncode != 0:
         raise RuntimeError(f"could not clone {url} into {dest}: {done.stderr.strip()[-300:]}")
     return dest

@@ -25,8 +25,7 @@ from numbers import Number
 from .verdicts import VERDICTS
 
 __all__ = ["LEDGER_PROFILES", "describe", "ours_text", "badge", "claim_anchor", "ClaimCard", "VerdictTable",
-           "ledger_table", "Table",
-           "Markdown", "show"]
+           "ledger_table", "Table", "Markdown", "show"]
 
 LEDGER_PROFILES = ("cpu", "gpu", "paper")  # the profiles whose claims the ledger reports, in this order
 _BADGE_CLASS = {name: "verdict-" + name.replace(" ", "-") for name in VERDICTS.values()}

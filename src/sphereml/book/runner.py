@@ -15,8 +15,8 @@ Command line::
 ``_build/runs/NAME``), which then holds the executed notebook, the figures and
 ``metrics.json``; it exits non-zero when the chapter fails.  Parameter names are
 checked against the chapter's ``parameters`` cell and values are converted to the
-type of their default.  ``ledger`` merges the claims of the runs under ``--runs`` (``cpu`` and
-``gpu`` runs; :mod:`sphereml.book.ledger`) into ``book/claims.json`` and rewrites ``book/claims.md``.
+type of their default.  ``ledger`` merges the claims of the runs under ``--runs`` (``cpu``, ``gpu`` and
+``paper`` runs; :mod:`sphereml.book.ledger`) into ``book/claims.json`` and rewrites ``book/claims.md``.
 ``estimate`` reads the chapter's measured ``gpu`` run under ``--runs`` and prints how long its ``paper`` profile
 would take on that device (:func:`sphereml.book.recipes.paper_estimate`).
 """
