@@ -163,21 +163,27 @@ def test_chapter_runs_in_smoke_profile(name, smoke_run):
     print(f"{name}: smoke run {run.seconds:.1f} s")
 
 
+def _run_tiny(name: str, profile: str, monkeypatch, tmp_path) -> dict:
+    """Run chapter ``name`` in ``profile`` with SPHEREML_GPU_TINY=1; its metrics, after checking the run was tiny,
+    raised no error and trained exactly its sections with a paper recipe through ``ch.recipe``."""
+    monkeypatch.setenv("SPHEREML_GPU_TINY", "1")
+    executed = nbformat.read(book.run_chapter(name, {"profile": profile}, tmp_path), as_version=4)
+    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    assert metrics["profile"] == profile and metrics["tiny"] is True
+    assert not [o for c in executed.cells if c.cell_type == "code" for o in c.outputs if o.output_type == "error"]
+    trained = {f["recipe"] for f in metrics["fits"] if f["recipe"]}
+    assert trained == set(recipes.PAPER.get(name, {})), f"{name}: sections trained with a recipe {trained}"
+    return metrics
+
+
 @pytest.mark.notebook
 @pytest.mark.parametrize("name", CHAPTERS)
 def test_chapter_gpu_paths_run_tiny(name, offline_smoke, monkeypatch, tmp_path):
     """The gpu profile's own code (CIFAR sections, its branches) at the smoke profile's sizes and seeds, on this
     CPU (SPHEREML_GPU_TINY=1, :class:`sphereml.book.chapter.Chapter`): CI proves it executes before a GPU runs it."""
-    monkeypatch.setenv("SPHEREML_PROFILE", "gpu")
-    monkeypatch.setenv("SPHEREML_GPU_TINY", "1")
-    executed = nbformat.read(book.run_chapter(name, {}, tmp_path), as_version=4)
-    metrics = json.loads((tmp_path / "metrics.json").read_text())
-    assert metrics["profile"] == "gpu" and metrics["tiny"] is True
+    metrics = _run_tiny(name, "gpu", monkeypatch, tmp_path)
     skipped = [k for k in metrics if k.startswith("cifar") and k.endswith("_skipped")]
     assert not skipped, f"{name} skipped {skipped}: the tiny CIFAR stands in for the archive"
-    assert not [o for c in executed.cells if c.cell_type == "code" for o in c.outputs if o.output_type == "error"]
-    trained = {f["recipe"] for f in metrics["fits"] if f["recipe"]}
-    assert trained == set(recipes.PAPER.get(name, {})), f"{name}: sections trained with a recipe {trained}"
 
 
 @pytest.mark.notebook
@@ -185,12 +191,7 @@ def test_chapter_gpu_paths_run_tiny(name, offline_smoke, monkeypatch, tmp_path):
 def test_chapter_paper_paths_run_tiny(name, offline_smoke, monkeypatch, tmp_path):
     """The paper profile's code (the sources' own recipes, :mod:`sphereml.book.recipes`) for one epoch at tiny
     sizes: what ``-p profile paper`` changes runs on this CPU."""
-    monkeypatch.setenv("SPHEREML_GPU_TINY", "1")
-    executed = nbformat.read(book.run_chapter(name, {"profile": "paper"}, tmp_path), as_version=4)
-    metrics = json.loads((tmp_path / "metrics.json").read_text())
-    assert metrics["profile"] == "paper" and metrics["tiny"] is True
-    assert not [o for c in executed.cells if c.cell_type == "code" for o in c.outputs if o.output_type == "error"]
-    assert {f["recipe"] for f in metrics["fits"] if f["recipe"]} == set(recipes.PAPER[name])
+    _run_tiny(name, "paper", monkeypatch, tmp_path)
 
 
 # Values that measure the machine rather than the mathematics: wall times and ratios of times.
