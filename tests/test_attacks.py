@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from sphereml.attacks import adversarial_loss, fgsm, pgd, robust_accuracy
+from sphereml.attacks import adversarial_loss, attack_table, fgsm, pgd, robust_accuracy
 from sphereml.train import evaluate
 
 
@@ -80,6 +80,28 @@ def test_black_box_transfer_attacks_the_source_and_evaluates_the_target():
     with torch.no_grad():
         manual = float((model(x_other).argmax(1) == y).float().mean())
     assert transferred[0.1] == pytest.approx(manual)
+
+
+def _accuracy_on(model, x_adv, y):
+    with torch.no_grad():
+        return float((model(x_adv).argmax(1) == y).float().mean())
+
+
+def test_attack_table_gives_the_five_columns_of_tables_4_7_and_4_8():
+    model, x, y = _linear(5)
+    substitute, _, _ = _linear(6)
+    data = torch.utils.data.TensorDataset(x, y)
+    table = attack_table(model, data, 0.1, source=substitute, bim_steps=5, batch_size=16)
+    assert list(table) == ["none", "FGSM", "BIM", "black FGSM", "black BIM"]
+    bim = pgd(model, x, y, 0.1, step_size=0.025, steps=5, random_start=False)  # BIM: no random start, eps / 4
+    black_bim = pgd(substitute, x, y, 0.1, step_size=0.025, steps=5, random_start=False)
+    expected = {"none": 1.0, "FGSM": _accuracy_on(model, fgsm(model, x, y, 0.1), y), "BIM": _accuracy_on(model, bim, y),
+                "black FGSM": _accuracy_on(model, fgsm(substitute, x, y, 0.1), y),
+                "black BIM": _accuracy_on(model, black_bim, y)}
+    assert table == pytest.approx(expected)
+    # a linear model's gradient sign never changes: four steps of eps / 4 reach the corner FGSM jumps to
+    assert table["BIM"] == table["FGSM"] < 1.0
+    assert list(attack_table(model, data, 0.1, bim_step=0.01)) == ["none", "FGSM", "BIM"]  # no substitute: white-box
 
 
 def test_adversarial_loss_mixes_clean_and_fgsm_losses():

@@ -52,6 +52,13 @@ def test_chapter_records_metrics_and_picks_by_profile(tmp_path):
     assert json.loads((tmp_path / "metrics.json").read_text())["figures"] == ["line.png"]
 
 
+def test_say_wraps_a_sentence_to_the_column_width(capsys):
+    chapter.Chapter.say("abcdefghi " * 20)  # ten characters a word: 9 words (89 characters) on a line of 96
+    lines = capsys.readouterr().out.splitlines()
+    assert [len(line) for line in lines] == [89, 89, 19] and " ".join(lines).split() == ["abcdefghi"] * 20
+    assert chapter.PAGE_WIDTH == 96
+
+
 def test_chapter_helpers_train_on_its_device(tmp_path):
     from sphereml.data import sphere_clusters
     from sphereml.models import MLP, Classifier

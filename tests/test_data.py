@@ -283,3 +283,16 @@ def test_random_crop_flip_keeps_shapes_and_content():
     assert torch.equal(plain[0][0], images[0])
     with pytest.raises(ValueError, match="padding"):
         RandomCropFlip(TensorDataset(images, labels), padding=-1)
+
+
+def test_pool_images_averages_blocks_and_keeps_labels():
+    x = torch.arange(2 * 16, dtype=torch.float32).reshape(2, 1, 4, 4)
+    y = torch.tensor([3, 7])
+    pooled = data.pool_images(TensorDataset(x, y), 2)
+    assert pooled.tensors[0].shape == (2, 1, 2, 2) and torch.equal(pooled.tensors[1], y)
+    assert float(pooled.tensors[0][0, 0, 0, 0]) == (0 + 1 + 4 + 5) / 4  # the top-left 2 x 2 block
+    assert data.pool_images(TensorDataset(x, y), 4).tensors[0] is x  # full size: unchanged
+    with pytest.raises(ValueError, match="divide"):
+        data.pool_images(TensorDataset(x, y), 3)
+    with pytest.raises(ValueError, match="side"):
+        data.pool_images(TensorDataset(x, y), 8)

@@ -14,8 +14,8 @@ from sphereml.angular import angular_function
 from sphereml.layers.decoupled import (BOUNDED_MAGNITUDES, MAGNITUDES, DecoupledConv2d, DecoupledLinear,
     decoupled_conv2d, decoupled_conv2d_reference, decoupled_factory, decoupled_layers, decoupled_linear,
     magnitude_function)
-from sphereml.layers.decoupled_training import (WeightProjection, init_from_pretrained, project_weights,
-    weighted_gradients)
+from sphereml.layers.decoupled_training import (WeightProjection, init_from_pretrained, mean_kernel_norm,
+    project_weights, radius_per_channel, scale_kernels, training_aid, weighted_gradients)
 from sphereml.models import Classifier, plain_cnn
 from sphereml.regularizers import Orthogonality, orthogonality_penalty
 from sphereml.train import fit
@@ -319,6 +319,36 @@ def test_factory_builds_a_trainable_network_and_projection_callback_keeps_unit_k
         assert float(layer.rho) != 1.0  # rho learned
 
 
+def test_training_aid_sets_up_each_aid_and_undoes_the_gradient_hooks():
+    torch.manual_seed(27)
+    net = Classifier(plain_cnn(3, (4, 4, 4), 1, 8, 8, conv_layer=decoupled_factory(magnitude="tanh")), 3)
+    with torch.no_grad():
+        for layer in decoupled_layers(net):
+            layer.weight.mul_(3.0)
+    x = torch.rand(2, 1, 8, 8)
+
+    def kernel_grad():
+        net.zero_grad()
+        net(x).sum().backward()
+        return decoupled_layers(net)[0].weight.grad.clone()
+
+    plain = kernel_grad()
+    with training_aid(net, "weighted") as callbacks:
+        assert callbacks == []
+        norms = decoupled_layers(net)[0].weight.detach().flatten(1).norm(dim=1).view(-1, 1, 1, 1)
+        torch.testing.assert_close(kernel_grad(), plain * norms)  # eq. 4.18 inside the block
+    torch.testing.assert_close(kernel_grad(), plain)  # and plain gradients after it
+    with training_aid(net, "projection", every=5) as callbacks:
+        assert [type(c) for c in callbacks] == [WeightProjection] and callbacks[0].every == 5
+        assert mean_kernel_norm(net) == pytest.approx(1.0)  # projected on entry
+    cnn = Classifier(plain_cnn(3, (4, 4, 4), 1, 8, 8, conv_layer=partial(torch.nn.Conv2d, bias=False)), 3)
+    with training_aid(cnn, "projection") as callbacks:  # no decoupled layer: standard gradients
+        assert callbacks == []
+    with pytest.raises(ValueError, match="aid"):
+        with training_aid(net, "projected"):
+            pass
+
+
 def test_init_from_pretrained_copies_matching_weights():
     """A linearly weighted LinearConv-cosine network initialised from a CNN computes the same function."""
     torch.manual_seed(24)
@@ -331,6 +361,49 @@ def test_init_from_pretrained_copies_matching_weights():
     torch.testing.assert_close(dcnet(x), cnn(x), atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="no parameter"):
         init_from_pretrained(dcnet, torch.nn.Linear(2, 2))
+
+
+def test_scale_kernels_gives_weighted_operators_the_same_start_and_mean_kernel_norm_tracks_it():
+    torch.manual_seed(25)
+    conv = decoupled_factory(magnitude="tanh", weighted="linear")
+    net = Classifier(plain_cnn(3, (4, 6, 8), 1, 8, 8, conv_layer=conv), 3)
+    with torch.no_grad():  # layer means 1, 2 and 2 (kernels of norms 1 and 3 in turn in the last)
+        for layer, norms in zip(decoupled_layers(net), ([1.0], [2.0], [1.0, 3.0])):
+            layer.weight.copy_(F.normalize(layer.weight.flatten(1), dim=1).view_as(layer.weight))
+            layer.weight.mul_(torch.tensor(norms).repeat(layer.out_channels // len(norms)).view(-1, 1, 1, 1))
+    assert mean_kernel_norm(net) == pytest.approx(5 / 3)  # the mean of the layers' means
+    with pytest.raises(ValueError, match="weighted operators"):
+        project_weights(net)  # projection would change a weighted operator's output
+    assert scale_kernels(net, 2.0) is net and mean_kernel_norm(net) == pytest.approx(2.0)
+    for layer in decoupled_layers(net):
+        torch.testing.assert_close(layer.weight.flatten(1).norm(dim=1), torch.full((layer.out_channels,), 2.0))
+    with pytest.raises(ValueError, match="no decoupled layer"):
+        scale_kernels(torch.nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="norm"):
+        scale_kernels(net, 0.0)
+
+
+def test_a_radius_per_channel_starts_as_the_layers_and_learns_per_channel():
+    torch.manual_seed(26)
+    conv = decoupled_factory(magnitude="tanh", radius_norm=True, learnable_rho=True, rho=0.7)
+    net = Classifier(plain_cnn(3, (4, 6, 8), 1, 8, 8, conv_layer=conv), 3).eval()
+    dense = torch.nn.Sequential(torch.nn.Flatten(),
+                                DecoupledLinear(12, 5, magnitude="ball", learnable_rho=True, rho=1.5))
+    x, v = torch.rand(4, 1, 8, 8), torch.rand(3, 12)
+    before, dense_before = net(x), dense(v)
+    raw_before = [m.parametrizations.rho.original.clone() for m in decoupled_layers(net)]
+    radius_per_channel(net), radius_per_channel(dense)
+    torch.testing.assert_close(net(x), before, rtol=0, atol=0)  # exactly the same function at the start
+    torch.testing.assert_close(dense(v), dense_before, rtol=0, atol=0)
+    net(x)[:, 0].sum().backward()
+    for layer, raw in zip(decoupled_layers(net), raw_before):
+        assert layer.rho.shape == (layer.out_channels, 1, 1)
+        assert torch.equal(layer.parametrizations.rho.original.detach(), raw.expand(layer.out_channels, 1, 1))
+        assert layer.parametrizations.rho.original.grad.shape == (layer.out_channels, 1, 1)
+        assert len(set(layer.parametrizations.rho.original.grad.flatten().tolist())) > 1  # one rho per channel
+    assert dense[1].rho.shape == (5, 1)
+    with pytest.raises(ValueError, match="learnable_rho"):
+        radius_per_channel(Classifier(plain_cnn(3, (4, 4, 4), 1, 8, 8, conv_layer=decoupled_factory()), 3))
 
 
 def test_orthogonality_penalty_ignores_norms():

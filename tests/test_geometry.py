@@ -3,8 +3,8 @@ import math
 import pytest
 import torch
 
-from sphereml.geometry import (angle_matrix, cosine_matrix, min_pair_angle, normalize, pair_angles, pair_cosines,
-                               safe_angle, sample_sphere)
+from sphereml.geometry import (angle_matrix, cosine_matrix, min_pair_angle, most_collinear_pair, normalize,
+                               pair_angles, pair_cosines, safe_angle, sample_sphere)
 from sphereml.heads.targets import arcface_psi, chebyshev_cos, integer_margin, multiplicative_psi, psi
 
 GRID = torch.linspace(0, math.pi, 100_001, dtype=torch.float64)
@@ -203,3 +203,18 @@ def test_min_pair_angle_has_finite_gradients_on_duplicate_neurons():
 def test_pair_angles_refuse_a_single_neuron():
     with pytest.raises(ValueError, match="N >= 2"):
         pair_cosines(torch.randn(1, 3))
+
+
+def test_most_collinear_pair_names_the_layer_and_keeps_the_sign():
+    g = torch.Generator().manual_seed(3)
+    loose = torch.eye(4, dtype=torch.float64)  # orthogonal neurons: cosines 0
+    tight = torch.randn(5, 2, 3, generator=g, dtype=torch.float64)
+    tight[3] = -2.0 * tight[1] + 1e-3 * torch.randn(2, 3, generator=g, dtype=torch.float64)  # nearly opposite
+    close = torch.eye(4, dtype=torch.float64)
+    close[2] = close[0] + 0.05 * close[1]  # cosine +0.9988 with the first: the largest cosine, not the largest |cos|
+    layer, cosine = most_collinear_pair([loose, close, tight, loose.neg()])
+    assert layer == 2 and -1.0 < cosine < -0.9995
+    assert cosine == pytest.approx(float(pair_cosines(tight).min()))
+    assert most_collinear_pair([loose, close]) == (1, pytest.approx(float(pair_cosines(close).max())))
+    with pytest.raises(ValueError, match="at least one layer"):
+        most_collinear_pair([])

@@ -126,3 +126,27 @@ def test_pair_cosines():
     feats = torch.tensor([[1.0, 0.0], [0.0, 2.0], [3.0, 3.0]])
     cos = metrics.pair_cosines(feats, torch.tensor([[0, 1], [0, 2], [1, 1]]))
     torch.testing.assert_close(cos, torch.tensor([0.0, 2 ** -0.5, 1.0]))
+
+
+def test_saliency_of_a_linear_model_is_the_absolute_weight_row_of_the_label():
+    torch.manual_seed(0)  # dropout of one half: in training mode the maps would lose about half their entries
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Dropout(0.5), torch.nn.Linear(6, 3)).train()
+    images, labels = torch.rand(4, 1, 2, 3), torch.tensor([0, 2, 1, 2])
+    maps = metrics.saliency_maps(model, images, labels)
+    assert maps.shape == images.shape and model.training  # the model's mode is restored
+    torch.testing.assert_close(maps.flatten(1), model[2].weight.detach()[labels].abs())  # eval mode: no dropout
+    assert all(p.grad is None for p in model.parameters()) and not images.requires_grad
+
+
+def test_top_share_and_share_inside_measure_where_a_map_holds_its_mass():
+    spread, peaked = torch.ones(1, 1, 4, 5), torch.zeros(1, 1, 4, 5)
+    peaked[0, 0, 1, 2] = 3.0
+    torch.testing.assert_close(metrics.top_share(torch.cat([spread, peaked]), 0.1), torch.tensor([0.1, 1.0]))
+    mask = torch.zeros(2, 1, 4, 5, dtype=torch.bool)
+    mask[:, :, 1] = True  # the second row of every map
+    torch.testing.assert_close(metrics.share_inside(torch.cat([spread, peaked]), mask), torch.tensor([0.25, 1.0]))
+    assert float(metrics.top_share(torch.zeros(1, 4))) == 0.0  # an empty map: finite
+    with pytest.raises(ValueError, match="fraction"):
+        metrics.top_share(spread, 0.0)
+    with pytest.raises(ValueError, match="shape"):
+        metrics.share_inside(spread, mask)

@@ -150,6 +150,18 @@ def test_pe_opt_parameter_counts_match_tables_f4_f5(blocks):
     assert layer.weight.shape == (64, 64, 3, 3)
 
 
+@pytest.mark.parametrize("blocks", [1, 4])
+def test_unit_raw_std_starts_each_raw_block_with_rows_near_unit_norm(blocks):
+    make = lambda std: opt.rotation_module(opt.orthogonal_overparameterize(  # noqa: E731
+        nn.Conv2d(64, 64, 3), "gs", blocks=blocks, generator=torch.Generator().manual_seed(2), raw_std=std)).raw
+    unit, thesis = make("unit"), make(1.0)
+    m = 576 // blocks
+    torch.testing.assert_close(unit, thesis / m**0.5)  # the same draw, scaled by 1 / sqrt(m)
+    assert unit.shape[-1] == m and abs(float(unit.norm(dim=-1).mean()) - 1.0) < 0.05
+    with pytest.raises(ValueError, match="raw_std"):
+        make("units")
+
+
 @pytest.mark.parametrize("shared", [True, False])
 def test_pe_opt_blocks_rotate_channel_groups_of_each_kernel(shared):
     layer = opt.orthogonal_overparameterize(_layer(), "cayley", blocks=2, shared=shared)  # groups {0, 1}, {2, 3}

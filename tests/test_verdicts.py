@@ -167,6 +167,58 @@ def test_a_seed_table_states_its_rule_once():
         bare.trains("a")
 
 
+def _grid_table():
+    table = SeedTable(floor=0.005, n_eval=2000, chance=0.1)
+    runs = {"no BN CNN cosine": (0.70, 0.71), "no BN TanhConv cosine": (0.80, 0.82),
+            "no BN SegConv cosine": (0.60, 0.62), "no BN LogConv cosine": (0.10, 0.11)}
+    for variant, accuracies in runs.items():
+        for seed, accuracy in enumerate(accuracies):
+            table.add(variant, seed, accuracy=accuracy, halfway=accuracy / 2)
+    return table
+
+
+def test_beats_each_joins_one_verdict_per_pair_and_names_the_arms_by_what_differs():
+    table = _grid_table()
+    ops = ["no BN TanhConv cosine", "no BN SegConv cosine"]
+    group = table.beats_each(ops, "no BN CNN cosine")
+    assert group.pairs == [(op, "no BN CNN cosine") for op in ops]
+    assert group.comparisons == [table.compare(op, "no BN CNN cosine") for op in ops]
+    assert group.verdicts == [True, False] and group.holds is False
+    assert table.beats_each(ops[:1], "no BN CNN cosine").holds is True
+    numbers = group.numbers()
+    assert list(numbers) == ["CNN", "TanhConv", "SegConv", "seeds", "noise"]
+    assert numbers["TanhConv"] == 0.81 and numbers | table.evidence(group.comparisons) == numbers
+    named = group.numbers(names={"no BN CNN cosine": "plain CNN"}, scale=100, digits=1)
+    assert list(named)[:3] == ["plain CNN", "TanhConv", "SegConv"] and named["plain CNN"] == 70.5
+    one = table.beats_each(ops[:1], "no BN CNN cosine").numbers({"no BN CNN cosine": "CNN"})
+    assert list(one)[:2] == ["CNN", "no BN TanhConv cosine"]  # one unnamed variant keeps its whole name
+    # an arm at chance makes its pair not testable; a failed pair still decides the claim
+    assert table.beats_each(["no BN LogConv cosine"], "no BN CNN cosine").holds == NOT_TESTABLE
+    assert table.beats_each(["no BN LogConv cosine", "no BN SegConv cosine"], "no BN CNN cosine").holds is False
+    # pairs with their own references, and another key with its own noise
+    pairs = [("no BN TanhConv cosine", "no BN CNN cosine"), ("no BN CNN cosine", "no BN SegConv cosine")]
+    assert table.beats_each(pairs).verdicts == [True, True]
+    halfway = table.beats_each(ops[:1], "no BN CNN cosine", "halfway", n_eval=500)
+    assert halfway.comparisons[0] == table.compare(ops[0], "no BN CNN cosine", "halfway", n_eval=500)
+    assert halfway.numbers()["TanhConv"] == 0.405
+    with pytest.raises(ValueError, match="pairs"):
+        table.beats_each([])
+    with pytest.raises(ValueError, match="pairs"):
+        table.beats_each(["no BN CNN cosine"])  # a name, not a pair, and no baseline
+
+
+def test_a_table_without_a_chance_level_compares_without_the_training_check():
+    table = SeedTable(floor=0.0)
+    table.add("refined", 0, energy=1.0)
+    table.add("none", 0, energy=2.0)
+    group = table.beats_each([("none", "refined")], key="energy")
+    assert group.numbers() == {"refined": 1.0, "none": 2.0, "seeds": 1, "noise": 0.0}
+    assert group.verdicts == [True] and group.holds is True
+    assert table.beats_each([("refined", "none")], key="energy").holds is False
+    with pytest.raises(ValueError, match="string"):
+        table.beats_each("none", "refined")  # a name where a list was meant
+
+
 def test_exact_claims_hold_within_their_tolerance():
     assert within(1.0000001, 1.0, tolerance=1e-6) is True
     assert within([0.5, 0.25], [0.5, 0.2500001], tolerance=1e-6) is True

@@ -3,7 +3,8 @@
 Laid out by what a project of one's own imports (as torchvision's ``ops`` and ``models``), one concept per
 module:
 
-* :mod:`~sphereml.geometry` — normalisation, cosines and safe angles, pair angles, sphere sampling.
+* :mod:`~sphereml.geometry` — normalisation, cosines and safe angles, pair angles, the most collinear pair, sphere
+  sampling.
 * :mod:`~sphereml.angular` — angular activations g(theta), stable arccos, their fused autograd nodes.
 * :mod:`~sphereml.layers` — hyperspherical layers (thesis Ch. 3-4, the SCS paper):
   :mod:`~sphereml.layers.patches` (receptive-field norms and cosines by convolution),
@@ -11,7 +12,8 @@ module:
   :mod:`~sphereml.layers.sphereconv` (SphereConv2d, SphereLinear, SphereNorm),
   :mod:`~sphereml.layers.scs` (sharpened cosine similarity, max-abs pooling),
   :mod:`~sphereml.layers.decoupled` (decoupled operators h(||w||, ||x||) g(theta)),
-  :mod:`~sphereml.layers.decoupled_training` (weight projection, weighted gradients, pretrained start).
+  :mod:`~sphereml.layers.decoupled_training` (weight projection, weighted gradients, pretrained start, kernel
+  scaling, a radius per channel).
 * :mod:`~sphereml.heads` — margin heads (thesis Ch. 2): :mod:`~sphereml.heads.margins` (normalised, L-, A-,
   GA-, W-Softmax, CosFace, ArcFace), :mod:`~sphereml.heads.margin_ce` (the B x C part: logits and the
   cross-entropy with a margin target in two passes), :mod:`~sphereml.heads.targets` (the target functions

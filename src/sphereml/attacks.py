@@ -26,7 +26,7 @@ from torch.utils.data import Dataset
 from ._checks import integer, one_of, real_number
 from .train import batches, on_device
 
-__all__ = ["ATTACKS", "fgsm", "pgd", "robust_accuracy", "adversarial_loss"]
+__all__ = ["ATTACKS", "fgsm", "pgd", "robust_accuracy", "attack_table", "adversarial_loss"]
 
 ATTACKS = ("fgsm", "pgd")
 
@@ -126,6 +126,25 @@ def robust_accuracy(model: nn.Module, data: Dataset, eps_values, attack: str = "
     for module, mode in reversed(modes):
         module.train(mode)
     return {eps: int(c) / max(seen, 1) for eps, c in correct.items()}
+
+
+def attack_table(model: nn.Module, data: Dataset, eps: float, source: nn.Module | None = None, bim_steps: int = 20,
+                 bim_step: float | None = None, **kwargs) -> dict[str, float]:
+    """The accuracies of thesis Tables 4.7-4.8 for one network: clean ("none"), white-box "FGSM" and "BIM",
+    and, with a substitute ``source``, the transferred "black FGSM" and "black BIM" (App. C.1.2-C.1.3).
+
+    BIM is :func:`pgd` without a random start: ``bim_steps`` signed steps of ``bim_step`` (default eps / 4, the
+    thesis's 2/255 at eps = 8/255).  Keyword arguments go to :func:`robust_accuracy` (``device``,
+    ``batch_size``).
+    """
+    bim = dict(steps=bim_steps, step_size=bim_step, random_start=False)
+    white = robust_accuracy(model, data, [0.0, eps], "fgsm", **kwargs)
+    table = {"none": white[0.0], "FGSM": white[float(eps)],
+             "BIM": robust_accuracy(model, data, [eps], "pgd", **bim, **kwargs)[float(eps)]}
+    if source is not None:
+        table["black FGSM"] = robust_accuracy(model, data, [eps], "fgsm", source=source, **kwargs)[float(eps)]
+        table["black BIM"] = robust_accuracy(model, data, [eps], "pgd", source=source, **bim, **kwargs)[float(eps)]
+    return table
 
 
 def adversarial_loss(eps: float, attack: str = "fgsm", weight: float = 0.5, seed: int = 0, **attack_kwargs):

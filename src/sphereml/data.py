@@ -28,23 +28,12 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, TensorDataset
 
+from ._checks import integer
 from .geometry import normalize, sample_sphere
 
-__all__ = [
-    "DataError",
-    "FASHION_MNIST_CLASSES",
-    "load_fashion_mnist",
-    "fetch_fashion_mnist",
-    "load_digits",
-    "find_cifar", "load_cifar",
-    "RandomCropFlip",
-    "sphere_clusters",
-    "take_subset",
-    "filter_classes",
-    "split_dataset",
-    "download_file",
-    "search_paths",
-]
+__all__ = ["DataError", "FASHION_MNIST_CLASSES", "load_fashion_mnist", "fetch_fashion_mnist", "load_digits",
+           "find_cifar", "load_cifar", "RandomCropFlip", "sphere_clusters", "take_subset", "filter_classes",
+           "split_dataset", "pool_images", "download_file", "search_paths"]
 
 FASHION_MNIST_CLASSES = (
     "T-shirt/top", "Trouser", "Pullover", "Dress", "Coat",
@@ -424,3 +413,12 @@ def split_dataset(dataset: TensorDataset, fraction: float, seed: int = 0) -> tup
     x, y = dataset.tensors
     a, b = _stratified_indices(y, fraction, seed)
     return TensorDataset(x[a], y[a]), TensorDataset(x[b], y[b])
+
+
+def pool_images(dataset: TensorDataset, side: int) -> TensorDataset:
+    """Square images average-pooled to ``side`` x ``side`` (e.g. 28 -> 14: 2 x 2 blocks); labels unchanged."""
+    x, y = dataset.tensors
+    integer("side", side, at_least=1, at_most=x.shape[-1])
+    if x.shape[-1] % side or x.shape[-2] != x.shape[-1]:
+        raise ValueError(f"side must divide the side of square images, got {side} for {tuple(x.shape[-2:])}")
+    return TensorDataset(torch.nn.functional.avg_pool2d(x, x.shape[-1] // side) if side < x.shape[-1] else x, y)

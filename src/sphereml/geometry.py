@@ -22,7 +22,7 @@ from ._checks import integer
 
 __all__ = [
     "max_abs_scale", "safe_norm", "normalize", "cosine_matrix", "safe_angle", "angle_matrix", "pair_cosines",
-    "pair_angles", "min_pair_angle", "sample_sphere",
+    "pair_angles", "min_pair_angle", "most_collinear_pair", "sample_sphere",
 ]
 
 
@@ -147,6 +147,16 @@ def min_pair_angle(w: Tensor, lines: bool = False, eps: float = 1e-7) -> Tensor:
     """The smallest angle (radians, 0-dim Tensor) between two distinct neurons, or between the lines they span
     (``lines=True``): how close the most redundant pair of a layer is (:func:`pair_angles`)."""
     return pair_angles(w, lines, eps).min()
+
+
+def most_collinear_pair(weights) -> tuple[int, float]:
+    """Over several layers' neurons (Tensors with one neuron per row), the index of the layer holding the most
+    collinear pair of distinct neurons and that pair's signed cosine (largest |cos|; a host read, not per step)."""
+    extremes = [c[c.abs().argmax()] for c in (pair_cosines(w.detach()) for w in weights)]
+    if not extremes:
+        raise ValueError("most_collinear_pair needs at least one layer")
+    layer = int(torch.stack(extremes).abs().argmax())
+    return layer, float(extremes[layer])
 
 
 def sample_sphere(

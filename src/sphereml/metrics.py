@@ -1,7 +1,7 @@
 """Metrics the chapters report: accuracy, angular hardness, ranking statistics, angle-vs-norm probes.
 
 All functions take CPU or GPU tensors and return Python floats or tensors; none of
-them needs gradients.
+them needs gradients, except :func:`saliency_maps`, which takes them of the model's input.
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ __all__ = [
     "accuracy", "true_class_confidence", "angular_visual_hardness", "roc_auc", "spearman",
     "class_directions", "angle_only_accuracy", "histogram_bayes_classifier", "histogram_bayes_accuracy",
     "norm_only_accuracy", "polar_angle", "polar_angle_accuracy",
-    "angular_fisher_score", "sample_pairs", "pair_cosines", "verification_accuracy",
+    "angular_fisher_score", "sample_pairs", "pair_cosines", "verification_accuracy", "saliency_maps", "top_share",
+    "share_inside",
 ]
 
 
@@ -259,3 +260,35 @@ def verification_accuracy(scores: Tensor, same: Tensor, folds: int = 10) -> tupl
         accs.append(float(((scores[test] >= t) == same[test]).double().mean()))
     accs_t = torch.tensor(accs)
     return float(accs_t.mean()), float(accs_t.std())
+
+
+def saliency_maps(model, images: Tensor, labels: Tensor) -> Tensor:
+    """Vanilla-gradient saliency |dz_y / dx| of each image for its label's logit z_y, in eval mode (the model's
+    mode is restored; ``images`` are not changed); on the model's device, returned on the CPU with the images'
+    shape."""
+    was_training = model.training
+    device = next(model.parameters()).device
+    x = images.detach().to(device).requires_grad_(True)
+    try:
+        model.eval()
+        (grad,) = torch.autograd.grad(model(x).gather(1, labels.to(device)[:, None]).sum(), x)
+    finally:
+        model.train(was_training)
+    return grad.abs().cpu()
+
+
+def top_share(maps: Tensor, fraction: float = 0.1) -> Tensor:
+    """Per map, the share of its total held by its largest ``fraction`` of entries: 1 when concentrated on them,
+    ``fraction`` when spread evenly (the sparsity of a saliency map).  Tensor[B]."""
+    if not 0 < fraction <= 1:
+        raise ValueError(f"fraction must lie in (0, 1], got {fraction}")
+    flat = maps.flatten(1)
+    k = max(1, int(fraction * flat.shape[1]))
+    return flat.topk(k, dim=1).values.sum(1) / flat.sum(1).clamp_min(1e-12)
+
+
+def share_inside(maps: Tensor, mask: Tensor) -> Tensor:
+    """Per map, the share of its total that lies where ``mask`` is True (e.g. on the object of an image).  Tensor[B]."""
+    if mask.shape != maps.shape:
+        raise ValueError(f"mask must have the maps' shape {tuple(maps.shape)}, got {tuple(mask.shape)}")
+    return (maps * mask).flatten(1).sum(1) / maps.flatten(1).sum(1).clamp_min(1e-12)

@@ -310,6 +310,11 @@ class Chapter:
         self.metrics["figures"] = sorted(set(self.figures))
         self.write()
 
+    @staticmethod
+    def say(text: str) -> None:
+        """Print a sentence of results, wrapped to the width of the book's column (``PAGE_WIDTH``)."""
+        print(textwrap.fill(text, PAGE_WIDTH))
+
     def record(self, **values) -> None:
         """Add results to the metrics and rewrite ``metrics.json``."""
         self.metrics.update(values)

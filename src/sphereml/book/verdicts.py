@@ -58,8 +58,8 @@ from scipy import stats
 
 from .._checks import integer
 
-__all__ = ["VERDICTS", "NOT_TESTABLE", "verdict_name", "SeedComparison", "compare_over_seeds", "SeedTable", "trains",
-           "given", "every", "within", "bootstrap_noise"]
+__all__ = ["VERDICTS", "NOT_TESTABLE", "verdict_name", "SeedComparison", "compare_over_seeds", "SeedTable",
+           "GroupComparison", "trains", "given", "every", "within", "bootstrap_noise"]
 
 NOT_TESTABLE = "not testable"  # the fourth verdict (True, False and None are the other three)
 VERDICTS = {True: "holds", False: "does not hold", None: "not distinguishable", NOT_TESTABLE: NOT_TESTABLE}
@@ -266,6 +266,33 @@ class SeedTable:
         arm stays at chance."""
         return given(self.trains(a), self.trains(b), verdict=self.compare(a, b).holds)
 
+    def beats_each(self, variants, baseline: str | None = None, key: str | None = None, *,
+                   floor: float | None = None, n_eval: int | None = None) -> "GroupComparison":
+        """The claim "each of ``variants`` is larger than ``baseline`` on ``key``", one verdict for all.
+
+        With ``baseline=None``, ``variants`` are pairs ``(a, b)``, each read "a is larger than b" (a claim
+        made for several operators, each against its own reference).  Every pair is compared as
+        :meth:`compare` does (``floor`` and ``n_eval`` as there); a pair is :data:`NOT_TESTABLE` when either
+        arm stays at chance on the table's own key (an accuracy, :meth:`trains`, where the table knows its
+        chance level), whichever ``key`` is compared; the verdicts of the pairs are joined by :func:`every`.
+        """
+        if isinstance(variants, str):
+            raise ValueError(f"beats_each needs a list of variants, got the string {variants!r}")
+        variants = list(variants)
+        if baseline is None:
+            bad = [p for p in variants if not (isinstance(p, (tuple, list)) and len(p) == 2)]
+            if bad or not variants:
+                raise ValueError(f"beats_each needs variants with a baseline, or (a, b) pairs; got {variants!r}")
+        pairs = [tuple(p) for p in variants] if baseline is None else [(v, baseline) for v in variants]
+        if not pairs:
+            raise ValueError("beats_each needs at least one variant")
+        comparisons = [self.compare(a, b, key, floor=floor, n_eval=n_eval) for a, b in pairs]
+        if self.chance is None:
+            verdicts = [c.holds for c in comparisons]
+        else:
+            verdicts = [given(self.trains(a), self.trains(b), verdict=c.holds) for (a, b), c in zip(pairs, comparisons)]
+        return GroupComparison(self, key, pairs, comparisons, verdicts)
+
     @staticmethod
     def evidence(comparisons, scale: float = 1.0, digits: int = 4) -> dict:
         """What a claim over several comparisons rests on: the seeds and the largest noise level (times
@@ -279,6 +306,50 @@ class SeedTable:
     def to_dict(self) -> dict:
         """``{variant: {seed: values}}`` (seeds as strings), for a chapter's metrics."""
         return {variant: {str(s): dict(v) for s, v in runs.items()} for variant, runs in self.rows.items()}
+
+
+@dataclass(frozen=True)
+class GroupComparison:
+    """One claim made for several pairs of variants (:meth:`SeedTable.beats_each`): the pairs, their
+    comparisons and verdicts; :attr:`holds` joins the verdicts, :meth:`numbers` is the claim's ``ours``."""
+
+    table: SeedTable
+    key: str | None
+    pairs: list[tuple[str, str]]
+    comparisons: list[SeedComparison]
+    verdicts: list
+
+    @property
+    def holds(self):
+        """:func:`every` verdict of the pairs: True if all hold, False if any fails, and so on."""
+        return every(self.verdicts)
+
+    def numbers(self, names: dict[str, str] | None = None, scale: float = 1.0, digits: int = 4) -> dict:
+        """Each variant's mean on the key (references first), then :meth:`SeedTable.evidence` (seeds, noise).
+
+        A variant is shown under ``names[variant]`` if given, else, when two or more are not named, without the
+        words all of those share at their start and end ("no BN TanhConv cosine" against "no BN CNN cosine"
+        reads "TanhConv" and "CNN").
+        """
+        names = dict(names or {})
+        variants = list(dict.fromkeys([b for _, b in self.pairs] + [a for a, _ in self.pairs]))
+        unnamed = [v for v in variants if v not in names]
+        names |= _distinct_words(unnamed) if len(unnamed) > 1 else {v: v for v in unnamed}
+        means = {names[v]: round(scale * self.table.mean(v, self.key), digits) for v in variants}
+        return means | self.table.evidence(self.comparisons, scale, digits)
+
+
+def _distinct_words(variants: list[str]) -> dict[str, str]:
+    """Each name without the words all of them share at the start and at the end (at least one word kept)."""
+    words = [v.split() for v in variants]
+    shortest = min(len(w) for w in words)
+    start = 0
+    while start < shortest - 1 and len({w[start] for w in words}) == 1:
+        start += 1
+    end = 0
+    while end < shortest - 1 - start and len({w[-1 - end] for w in words}) == 1:
+        end += 1
+    return {v: " ".join(w[start:len(w) - end]) for v, w in zip(variants, words)}
 
 
 def trains(accuracies, chance: float, n_eval: int, floor: float = 0.01) -> bool:

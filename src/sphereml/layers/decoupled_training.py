@@ -14,18 +14,27 @@ perpendicular to w and shrinking as 1 / ||w||.  A step perpendicular to w can on
   the angle a step turns, arctan(d / ||w||), adapts to the kernel's norm (App. C.7, Fig. C.5).
 
 The third aid (§4.4.3) starts a decoupled network from a trained CNN of the same architecture.
+
+For comparisons of the aids: :func:`scale_kernels` gives every variant the same starting norm (weighted
+operators too), :func:`mean_kernel_norm` tracks the growth eq. 4.17 predicts, and :func:`radius_per_channel`
+switches a network to the released code's radius (one per output channel).
 """
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 from torch import Tensor, nn
 
-from .._checks import integer, real_number
+from .._checks import integer, one_of, real_number
 from .decoupled import decoupled_layers
 from ..train import StepState
 
-__all__ = ["project_weights", "WeightProjection", "weighted_gradients", "init_from_pretrained"]
+__all__ = ["AIDS", "project_weights", "WeightProjection", "weighted_gradients", "training_aid", "init_from_pretrained",
+           "scale_kernels", "mean_kernel_norm", "radius_per_channel"]
+
+AIDS = ("standard", "projection", "weighted")  # training_aid: plain gradients, §4.4.1, eq. 4.18
 
 
 def _unweighted_layers(model: nn.Module, what: str) -> list[nn.Module]:
@@ -90,6 +99,28 @@ def weighted_gradients(model: nn.Module) -> list:
     return handles
 
 
+@contextmanager
+def training_aid(model: nn.Module, aid: str = "projection", every: int = 1):
+    """Train ``model`` with one of the aids of §4.4 inside the block; yields the :func:`~sphereml.train.fit`
+    callbacks it needs (a list to extend).
+
+    ``"projection"``: the kernels projected to unit norm now and every ``every`` steps (:class:`WeightProjection`);
+    ``"weighted"``: weighted gradients (eq. 4.18), the hooks removed when the block ends; ``"standard"``: nothing.
+    A model without decoupled layers (the CNN baseline) trains with standard gradients whatever ``aid`` says.
+    """
+    one_of("aid", aid, AIDS)
+    if not decoupled_layers(model):
+        aid = "standard"
+    handles = weighted_gradients(model) if aid == "weighted" else []
+    if aid == "projection":
+        project_weights(model)
+    try:
+        yield [WeightProjection(every)] if aid == "projection" else []
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
 @torch.no_grad()
 def init_from_pretrained(model: nn.Module, pretrained: nn.Module) -> list[str]:
     """Initialise ``model`` from a trained network of the same architecture (§4.4.3): copy every parameter
@@ -102,3 +133,45 @@ def init_from_pretrained(model: nn.Module, pretrained: nn.Module) -> list[str]:
         raise ValueError("no parameter of the pretrained network matches the model by name and shape")
     model.load_state_dict({name: source[name] for name in copied}, strict=False)
     return copied
+
+
+def _decoupled(model: nn.Module) -> list[nn.Module]:
+    layers = decoupled_layers(model)
+    if not layers:
+        raise ValueError("the model has no decoupled layer")
+    return layers
+
+
+@torch.no_grad()
+def scale_kernels(model: nn.Module, norm: float = 1.0) -> nn.Module:
+    """Before training: every kernel of every decoupled layer scaled to ``||w|| = norm``, weighted operators too
+    (whose output it changes, unlike :func:`project_weights`), so that variants start from the same norm.
+    Returns ``model``."""
+    norm = real_number("norm", norm, above=0.0)
+    for layer in _decoupled(model):
+        w = layer.weight
+        w.div_(w.flatten(1).norm(dim=1).clamp_min(layer.eps).div(norm).view(-1, *([1] * (w.dim() - 1))))
+    return model
+
+
+def mean_kernel_norm(model: nn.Module) -> float:
+    """The mean over the decoupled layers of each layer's mean kernel norm ||w|| (host reads: not per step)."""
+    layer_means = [float(m.weight.detach().flatten(1).norm(dim=1).mean()) for m in _decoupled(model)]
+    return sum(layer_means) / len(layer_means)
+
+
+@torch.no_grad()
+def radius_per_channel(model: nn.Module) -> nn.Module:
+    """The released code's radius (wy1iu/DCNets): one learned rho per output channel instead of one per layer.
+
+    Every layer with a learned rho (``learnable_rho=True``) gets one raw parameter per output channel, each a
+    copy of the layer's own, so the network computes the same function until they move apart; other layers
+    are left alone.  Make the optimiser afterwards.  Returns ``model``."""
+    layers = [m for m in _decoupled(model) if getattr(m, "learnable_rho", False)]
+    if not layers:
+        raise ValueError("radius_per_channel: no decoupled layer learns its radius (learnable_rho=True)")
+    for layer in layers:
+        shape = (layer.weight.shape[0],) + (1,) * max(1, layer.weight.dim() - 2)  # conv (C, 1, 1), linear (C, 1)
+        raw = layer.parametrizations.rho.original
+        layer.parametrizations.rho.original = nn.Parameter(raw.detach().expand(shape).clone())
+    return model

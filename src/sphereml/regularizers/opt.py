@@ -68,7 +68,8 @@ class OrthogonalRotation(nn.Module):
             size, started at the identity); see :func:`resample`. Default: None (all d).
         unrolled (bool): ``gs`` / ``mgs`` / ``householder``: the unrolled loops instead of one QR. Default: False.
         generator (torch.Generator, optional): draws the initial raw matrix and the subset.
-        raw_std (float): standard deviation of the initial raw entries. Default: 1 (the thesis).
+        raw_std (float or "unit"): standard deviation of the initial raw entries; ``"unit"``: 1 / sqrt(m)
+            for blocks of m = d / k rows, so that each raw row starts near unit norm. Default: 1 (the thesis).
 
     The raw matrix starts as the thesis's N(0, 1) draw (App. F.3); ``ogd`` at the identity (the
     authors' code); ``or`` and ``upt`` at a random orthogonal matrix, so every method starts from a
@@ -79,7 +80,8 @@ class OrthogonalRotation(nn.Module):
 
     def __init__(self, dim: int, method: str = "gs", blocks: int = 1, shared: bool = False,
                  subset: int | None = None, unrolled: bool = False, generator: torch.Generator | None = None,
-                 raw_std: float = 1.0, dtype: torch.dtype | None = None, device: torch.device | str | None = None):
+                 raw_std: float | str = 1.0, dtype: torch.dtype | None = None,
+                 device: torch.device | str | None = None):
         super().__init__()
         self.dim = integer("dim", dim, at_least=1)
         self.method = one_of("method", method, METHODS)
@@ -98,7 +100,7 @@ class OrthogonalRotation(nn.Module):
             raw = torch.eye(size, **kw).repeat(count, 1, 1)
         else:
             raw = torch.randn(count, size, size, generator=generator, **kw)
-            raw = raw * real_number("raw_std", raw_std, above=0.0)
+            raw = raw * (size**-0.5 if raw_std == "unit" else real_number("raw_std", raw_std, above=0.0))
             if method in ("or", "upt"):
                 raw = orth.qr_orthogonalize(raw)
         self.raw = nn.Parameter(raw)  # (count, m, m)
@@ -153,7 +155,7 @@ class OrthogonalRotation(nn.Module):
 def orthogonal_overparameterize(module: nn.Module, method: str = "gs", *, blocks: int = 1, shared: bool = False,
                                 subset: int | None = None, normalize: bool = False, refine: str | None = None,
                                 refine_steps: int = 5000, unrolled: bool = False,
-                                generator: torch.Generator | None = None, raw_std: float = 1.0) -> nn.Module:
+                                generator: torch.Generator | None = None, raw_std: float | str = 1.0) -> nn.Module:
     """Make ``module.weight`` the fixed neurons V (its current value) rotated by a learnt orthogonal R.
 
     Args:
