@@ -285,6 +285,70 @@ def test_random_crop_flip_keeps_shapes_and_content():
         RandomCropFlip(TensorDataset(images, labels), padding=-1)
 
 
+def _by_hand(aug, i, top, left, hflip, vflip):
+    h, w = aug.size
+    x = aug.images[i, :, top:top + h, left:left + w]
+    x = x.flip(-1) if hflip else x
+    return x.flip(-2) if vflip else x
+
+
+def test_crop_flip_cuts_a_batch_as_indexing_each_item_would():
+    from sphereml.data import RandomCropFlip
+    from sphereml.launches import no_host_sync
+
+    g = torch.Generator().manual_seed(1)
+    aug = RandomCropFlip(TensorDataset(torch.rand(6, 3, 5, 7, generator=g), torch.arange(6)), padding=2, vflip=True)
+    idx = torch.tensor([4, 0, 4, 2])
+    offsets = torch.tensor([[0, 4], [2, 2], [4, 0], [1, 3]])
+    flips = torch.tensor([[False, False], [True, False], [False, True], [True, True]])
+    with no_host_sync():
+        batch = aug.crop_flip(idx, offsets, flips)
+    expected = torch.stack([_by_hand(aug, int(i), *map(int, o), *map(bool, f)) for i, o, f in zip(idx, offsets, flips)])
+    assert batch.shape == (4, 3, 5, 7) and torch.equal(batch, expected)
+
+
+def test_device_batches_draw_a_reproducible_epoch_of_every_item_once():
+    from sphereml.data import RandomCropFlip
+    from sphereml.train import batches, on_device
+
+    images, labels = torch.rand(50, 1, 6, 6), torch.arange(50)
+    aug = RandomCropFlip(TensorDataset(images, labels), padding=3)
+    epoch = lambda seed: list(batches(aug, 16, True, torch.Generator().manual_seed(seed)))  # noqa: E731
+    first, again, other = epoch(7), epoch(7), epoch(8)
+    assert [len(y) for _, y in first] == [16, 16, 16, 2]
+    assert all(torch.equal(a, b) for (xa, ya), (xb, yb) in zip(first, again) for a, b in ((xa, xb), (ya, yb)))
+    assert not torch.equal(first[0][0], other[0][0])
+    assert sorted(torch.cat([y for _, y in first]).tolist()) == list(range(50))  # every item once
+    x = torch.cat([x for x, _ in first])
+    flipped = [torch.equal(x[k], _by_hand(aug, int(y), *o, True, False))
+               for k, (y, o) in enumerate(zip(torch.cat([y for _, y in first]), _offsets(aug, x, first)))]
+    assert 10 < sum(flipped) < 40  # about half the images are flipped left-right
+    plain = RandomCropFlip(TensorDataset(images, labels), padding=0, hflip=False)  # no augmentation: plain batches
+    for (xa, ya), (xb, yb) in zip(batches(plain, 16, True, torch.Generator().manual_seed(7)),
+                                  batches(TensorDataset(images, labels), 16, True, torch.Generator().manual_seed(7))):
+        assert torch.equal(xa, xb) and torch.equal(ya, yb)
+    assert on_device(aug, "cpu") is aug  # already where it is asked for: no copy
+    moved = aug.to_device("cpu")
+    assert moved is not aug and torch.equal(moved.images, aug.images) and moved.padding == 3
+
+
+def _offsets(aug, x, epoch):
+    """The crop offset of every image of an epoch, found by trying each (for the flip count above)."""
+    ys = torch.cat([y for _, y in epoch])
+    found = []
+    for k, y in enumerate(ys):
+        for top in range(2 * aug.padding + 1):
+            for left in range(2 * aug.padding + 1):
+                if any(torch.equal(x[k], _by_hand(aug, int(y), top, left, f, False)) for f in (False, True)):
+                    found.append((top, left))
+                    break
+            else:
+                continue
+            break
+    assert len(found) == len(ys)  # every image is a crop (flipped or not) of its own padded item
+    return found
+
+
 def test_pool_images_averages_blocks_and_keeps_labels():
     x = torch.arange(2 * 16, dtype=torch.float32).reshape(2, 1, 4, 4)
     y = torch.tensor([3, 7])

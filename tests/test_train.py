@@ -1,10 +1,12 @@
 import pytest
 import torch
 from torch import nn
+from torch.utils.data import TensorDataset
 
 from sphereml.data import sphere_clusters, split_dataset
 from sphereml.models import MLP, Classifier
-from sphereml.train import Tracker, evaluate, fit, num_steps, resolve_device, seed_everything
+from sphereml.train import (Tracker, batches, evaluate, fit, num_steps, on_device, resolve_device,
+                            seed_everything)
 
 
 def make(seed=0, dropout=True):
@@ -142,6 +144,24 @@ def test_resume_on_cuda(toy, tmp_path):
     fit(resumed, train, epochs=3, checkpoint=tmp_path / "b.pt", **kwargs)
     for p, q in zip(straight.parameters(), resumed.parameters()):
         assert torch.allclose(p, q, atol=1e-6)
+
+
+@pytest.mark.needs_cuda
+def test_augmented_cifar_batches_are_cut_on_the_gpu_from_one_copy():
+    from sphereml.data import RandomCropFlip
+    from sphereml.launches import no_host_sync
+
+    aug = RandomCropFlip(TensorDataset(torch.rand(40, 3, 8, 8), torch.arange(40) % 10), padding=2)
+    on_gpu = on_device(aug, "cuda")
+    assert on_gpu.images.is_cuda and on_device(aug, "cuda:0") is on_gpu  # moved once, then reused
+    epoch = batches(on_gpu, 16, True, torch.Generator().manual_seed(3))
+    with no_host_sync():
+        cut = [(x, y) for x, y in epoch]
+    assert all(x.is_cuda and y.is_cuda for x, y in cut)
+    on_cpu = list(batches(aug, 16, True, torch.Generator().manual_seed(3)))  # the same epoch, drawn on the CPU
+    assert all(torch.equal(x.cpu(), a) and torch.equal(y.cpu(), b) for (x, y), (a, b) in zip(cut, on_cpu))
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * 8 * 8, 10))
+    fit(model, aug, epochs=1, batch_size=16, device="cuda", progress=False)  # fit trains from the GPU copy
 
 
 def test_resume_continues_the_regularizers_projections(toy, tmp_path):

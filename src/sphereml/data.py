@@ -26,19 +26,18 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from torch import Tensor
 from torch.utils.data import Dataset, TensorDataset
 
-from ._checks import integer
+from ._checks import integer, one_of
 from .geometry import normalize, sample_sphere
 
 __all__ = ["DataError", "FASHION_MNIST_CLASSES", "load_fashion_mnist", "fetch_fashion_mnist", "load_digits",
            "find_cifar", "load_cifar", "RandomCropFlip", "sphere_clusters", "take_subset", "filter_classes",
            "split_dataset", "pool_images", "download_file", "search_paths"]
 
-FASHION_MNIST_CLASSES = (
-    "T-shirt/top", "Trouser", "Pullover", "Dress", "Coat",
-    "Sandal", "Shirt", "Sneaker", "Bag", "Ankle boot",
-)
+FASHION_MNIST_CLASSES = ("T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt", "Sneaker", "Bag",
+                         "Ankle boot")
 
 # SHA-256 of the *decompressed* IDX payloads: the Debian package and the upstream
 # mirror gzip the same bytes differently, so the compressed files' hashes differ.
@@ -201,7 +200,7 @@ def load_fashion_mnist(split: str = "train", root=None, download: bool = False) 
     Returns:
         TensorDataset of images Tensor[N, 1, 28, 28] (float32 in [0, 1]) and labels Tensor[N] (int64).
     """
-    _check_split(split)
+    one_of("split", split, _SPLITS)
     arrays = {}
     for kind in ("images", "labels"):
         stem, checksum = _FASHION_MNIST_FILES[(split, kind)]
@@ -223,7 +222,7 @@ def load_digits(split: str = "train", test_fraction: float = 0.25, seed: int = 0
     """
     from sklearn.datasets import load_digits as _sk_load_digits
 
-    _check_split(split)
+    one_of("split", split, _SPLITS)
     bunch = _sk_load_digits()
     images = torch.from_numpy(bunch.images.astype(np.float32) / 16.0).unsqueeze(1)
     labels = torch.from_numpy(bunch.target.astype(np.int64))
@@ -258,7 +257,7 @@ def load_cifar(num_classes: int = 10, split: str = "train", root=None, download:
         TensorDataset of images Tensor[N, 3, 32, 32] in [0, 1] and labels Tensor[N].
     """
     path = find_cifar(num_classes, root)
-    _check_split(split)
+    one_of("split", split, _SPLITS)
     filename, algorithm, checksum, url = _CIFAR_ARCHIVES[num_classes]
     if path is None:
         if not download:
@@ -296,6 +295,10 @@ class RandomCropFlip(Dataset):
     The thesis's "CIFAR-10+" (§3.4.5) uses random crops with horizontal *and* vertical flips
     (``vflip=True``); the usual recipe flips horizontally only.
 
+    Indexing one item draws from torch's global generator; training draws whole epochs instead
+    (:meth:`device_batches`, used by :func:`~sphereml.train.batches`), so a copy on a GPU (:meth:`to_device`, made by
+    :func:`~sphereml.train.on_device`) trains with no per-batch host work.
+
     Args:
         dataset (TensorDataset): images Tensor[N, C, H, W] and labels.
         padding (int): pixels of zero padding before the crop (0: no crop). Default: 4.
@@ -303,17 +306,43 @@ class RandomCropFlip(Dataset):
     """
 
     def __init__(self, dataset: TensorDataset, padding: int = 4, hflip: bool = True, vflip: bool = False):
-        if not isinstance(padding, int) or padding < 0:
-            raise ValueError(f"padding must be an integer >= 0, got {padding!r}")
         images, self.labels = dataset.tensors
         if images.dim() != 4:
             raise ValueError(f"images must be Tensor[N, C, H, W], got shape {tuple(images.shape)}")
-        self.padding, self.hflip, self.vflip = padding, hflip, vflip
+        self.padding, self.hflip, self.vflip = integer("padding", padding, at_least=0), hflip, vflip
         self.images = torch.nn.functional.pad(images, [padding] * 4) if padding else images
         self.size = images.shape[-2:]
 
     def __len__(self) -> int:
         return len(self.labels)
+
+    def to_device(self, device) -> "RandomCropFlip":
+        """The same augmentation of the same images, held on ``device`` (padded once, as here)."""
+        copy = object.__new__(RandomCropFlip)
+        copy.__dict__.update(self.__dict__, images=self.images.to(device), labels=self.labels.to(device))
+        return copy
+
+    def crop_flip(self, idx: Tensor, offsets: Tensor, flips: Tensor) -> Tensor:
+        """Items ``idx`` cropped at ``offsets`` (Tensor[B, 2]: top, left) and flipped where ``flips`` (Tensor[B, 2]
+        of bool: left-right, upside-down) says: one gather, no host read."""
+        arange = [torch.arange(n, device=idx.device) for n in (self.images.shape[1], *self.size)]
+        rows = (offsets[:, 0, None] + arange[1])[:, None, :, None]
+        cols = (offsets[:, 1, None] + arange[2])[:, None, None, :]
+        rows = torch.where(flips[:, 1, None, None, None], rows.flip(2), rows)
+        cols = torch.where(flips[:, 0, None, None, None], cols.flip(3), cols)
+        return self.images[idx[:, None, None, None], arange[0][None, :, None, None], rows, cols]
+
+    def device_batches(self, batch_size: int, shuffle: bool = False, generator: torch.Generator | None = None):
+        """(images, labels) batches of one epoch, its order, crops and flips drawn at once from ``generator`` (on
+        the CPU, so a seed gives the same epoch on every device) and moved to the images' device once."""
+        n, dev = len(self), self.images.device
+        order = torch.randperm(n, generator=generator) if shuffle else torch.arange(n)
+        offsets = (torch.randint(0, 2 * self.padding + 1, (n, 2), generator=generator) if self.padding
+                   else torch.zeros(n, 2, dtype=torch.long))
+        flips = (torch.rand(n, 2, generator=generator) < 0.5) & torch.tensor([self.hflip, self.vflip])
+        order, offsets, flips = order.to(dev), offsets.to(dev), flips.to(dev)
+        for part in (slice(start, start + batch_size) for start in range(0, n, batch_size)):
+            yield self.crop_flip(order[part], offsets[part], flips[part]), self.labels[order[part]]
 
     def __getitem__(self, i: int):
         h, w = self.size
@@ -327,9 +356,8 @@ class RandomCropFlip(Dataset):
 
 
 # ---------------------------------------------------------------------- synthetic
-def sphere_clusters(
-    num_classes: int, per_class: int, dim: int, concentration: float = 10.0, seed: int = 0
-) -> TensorDataset:
+def sphere_clusters(num_classes: int, per_class: int, dim: int, concentration: float = 10.0,
+                    seed: int = 0) -> TensorDataset:
     """Points on the sphere :math:`S^{d-1}` (:math:`d` = ``dim``) clustered around random class centres.
 
     Each point is normalize(concentration * mu_c + z) with z ~ N(0, I): a simple
@@ -339,8 +367,7 @@ def sphere_clusters(
         TensorDataset of points Tensor[num_classes * per_class, dim] (unit rows) and labels.
     """
     for name, value in (("num_classes", num_classes), ("per_class", per_class), ("dim", dim)):
-        if not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        integer(name, value, at_least=1)
     if concentration < 0:
         raise ValueError(f"concentration must be >= 0, got {concentration}")
     g = torch.Generator().manual_seed(seed)
@@ -351,11 +378,6 @@ def sphere_clusters(
 
 
 # ------------------------------------------------------------------ subsets/splits
-def _check_split(split: str) -> None:
-    if split not in _SPLITS:
-        raise ValueError(f"split must be one of {_SPLITS}, got {split!r}")
-
-
 def _stratified_indices(labels: torch.Tensor, test_fraction: float, seed: int):
     if not 0 < test_fraction < 1:
         raise ValueError(f"test_fraction must be in (0, 1), got {test_fraction}")

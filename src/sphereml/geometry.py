@@ -151,7 +151,8 @@ def min_pair_angle(w: Tensor, lines: bool = False, eps: float = 1e-7) -> Tensor:
 
 def most_collinear_pair(weights) -> tuple[int, float]:
     """Over several layers' neurons (Tensors with one neuron per row), the index of the layer holding the most
-    collinear pair of distinct neurons and that pair's signed cosine (largest |cos|; a host read, not per step)."""
+    collinear pair of distinct neurons and that pair's signed cosine (the largest absolute cosine; a host read, not
+    per step)."""
     extremes = [c[c.abs().argmax()] for c in (pair_cosines(w.detach()) for w in weights)]
     if not extremes:
         raise ValueError("most_collinear_pair needs at least one layer")

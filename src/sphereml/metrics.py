@@ -263,7 +263,7 @@ def verification_accuracy(scores: Tensor, same: Tensor, folds: int = 10) -> tupl
 
 
 def saliency_maps(model, images: Tensor, labels: Tensor) -> Tensor:
-    """Vanilla-gradient saliency |dz_y / dx| of each image for its label's logit z_y, in eval mode (the model's
+    """Vanilla-gradient saliency ``|dz_y / dx|`` of each image for its label's logit z_y, in eval mode (the model's
     mode is restored; ``images`` are not changed); on the model's device, returned on the CPU with the images'
     shape."""
     was_training = model.training

@@ -151,16 +151,20 @@ _ON_DEVICE: "weakref.WeakKeyDictionary[TensorDataset, dict]" = weakref.WeakKeyDi
 def on_device(data: Dataset, device: str | torch.device) -> Dataset:
     """``data`` with its tensors on ``device``: a TensorDataset is copied there once and the copy kept while
     ``data`` lives (every later call returns it), so training and evaluation index batches on the device and
-    copy nothing from the host per batch.  Other datasets, and tensors already there, are returned as they are.
+    copy nothing from the host per batch.  So is a dataset with a ``to_device`` method (an augmenting one such as
+    :class:`~sphereml.data.RandomCropFlip`).  Other datasets, and tensors already there, are returned as they are.
     (A TensorDataset changed in place after its first copy keeps the old copy.)"""
     dev = torch.device(device)
     if dev.type == "cuda" and dev.index is None:  # "cuda" and "cuda:0" are one device: one copy
         dev = torch.device("cuda", torch.cuda.current_device())
-    if not isinstance(data, TensorDataset) or all(t.device == dev for t in data.tensors):
+    movable = hasattr(data, "to_device")
+    if not (isinstance(data, TensorDataset) or movable) or movable and data.images.device == dev:
+        return data
+    if not movable and all(t.device == dev for t in data.tensors):
         return data
     copies = _ON_DEVICE.setdefault(data, {})
     if dev not in copies:
-        copies[dev] = TensorDataset(*(t.to(dev) for t in data.tensors))
+        copies[dev] = data.to_device(dev) if movable else TensorDataset(*(t.to(dev) for t in data.tensors))
     return copies[dev]
 
 
@@ -168,8 +172,11 @@ def batches(data: Dataset, batch_size: int, shuffle: bool = False,
             generator: torch.Generator | None = None) -> Iterator:
     """Tuples of tensors, ``batch_size`` samples each (the last may be smaller), in order or shuffled by ``generator``
     (a TensorDataset is indexed directly, where its tensors are: much faster than a DataLoader for in-memory data;
-    the order is drawn on the CPU, so a seed gives the same batches on every device, and moved once)."""
-    if isinstance(data, TensorDataset):  # fast path: index the tensors directly
+    the order is drawn on the CPU, so a seed gives the same batches on every device, and moved once; a dataset with
+    a ``device_batches`` method, such as :class:`~sphereml.data.RandomCropFlip`, makes its own)."""
+    if hasattr(data, "device_batches"):
+        yield from data.device_batches(batch_size, shuffle, generator)
+    elif isinstance(data, TensorDataset):  # fast path: index the tensors directly
         n = len(data)
         order = torch.randperm(n, generator=generator) if shuffle else torch.arange(n)
         orders = {t.device: order.to(t.device) for t in data.tensors}  # one copy per device the tensors are on
