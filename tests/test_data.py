@@ -312,40 +312,39 @@ def test_device_batches_draw_a_reproducible_epoch_of_every_item_once():
     from sphereml.train import batches, on_device
 
     images, labels = torch.rand(50, 1, 6, 6), torch.arange(50)
-    aug = RandomCropFlip(TensorDataset(images, labels), padding=3)
+    aug = RandomCropFlip(TensorDataset(images, labels), padding=3, vflip=True)
     epoch = lambda seed: list(batches(aug, 16, True, torch.Generator().manual_seed(seed)))  # noqa: E731
     first, again, other = epoch(7), epoch(7), epoch(8)
     assert [len(y) for _, y in first] == [16, 16, 16, 2]
     assert all(torch.equal(a, b) for (xa, ya), (xb, yb) in zip(first, again) for a, b in ((xa, xb), (ya, yb)))
     assert not torch.equal(first[0][0], other[0][0])
     assert sorted(torch.cat([y for _, y in first]).tolist()) == list(range(50))  # every item once
-    x = torch.cat([x for x, _ in first])
-    flipped = [torch.equal(x[k], _by_hand(aug, int(y), *o, True, False))
-               for k, (y, o) in enumerate(zip(torch.cat([y for _, y in first]), _offsets(aug, x, first)))]
-    assert 10 < sum(flipped) < 40  # about half the images are flipped left-right
+    found = _crops(aug, torch.cat([x for x, _ in first]), torch.cat([y for _, y in first]))
+    offsets = {o for o, _ in found}
+    assert {0, 6} <= {top for top, _ in offsets} and {0, 6} <= {left for _, left in offsets}  # all of [0, 2p]
+    assert len(offsets) > 25  # of the 49 possible crops
+    for axis in (0, 1):  # left-right, upside-down: each about half the time
+        assert 10 < sum(f[axis] for _, f in found) < 40
     plain = RandomCropFlip(TensorDataset(images, labels), padding=0, hflip=False)  # no augmentation: plain batches
     for (xa, ya), (xb, yb) in zip(batches(plain, 16, True, torch.Generator().manual_seed(7)),
                                   batches(TensorDataset(images, labels), 16, True, torch.Generator().manual_seed(7))):
         assert torch.equal(xa, xb) and torch.equal(ya, yb)
     assert on_device(aug, "cpu") is aug  # already where it is asked for: no copy
     moved = aug.to_device("cpu")
-    assert moved is not aug and torch.equal(moved.images, aug.images) and moved.padding == 3
+    assert moved is not aug and torch.equal(moved.images, aug.images) and (moved.padding, moved.vflip) == (3, True)
+    on_meta = on_device(aug, "meta")  # a copy elsewhere is made once and kept
+    assert on_meta.images.is_meta and on_meta.labels.is_meta and on_device(aug, "meta") is on_meta
+    flagged = RandomCropFlip(TensorDataset(images, labels), hflip=1, vflip=0)  # flags given as numbers: bools
+    assert (flagged.hflip, flagged.vflip) == (True, False) and len(list(batches(flagged, 64, True))[0][1]) == 50
 
 
-def _offsets(aug, x, epoch):
-    """The crop offset of every image of an epoch, found by trying each (for the flip count above)."""
-    ys = torch.cat([y for _, y in epoch])
-    found = []
-    for k, y in enumerate(ys):
-        for top in range(2 * aug.padding + 1):
-            for left in range(2 * aug.padding + 1):
-                if any(torch.equal(x[k], _by_hand(aug, int(y), top, left, f, False)) for f in (False, True)):
-                    found.append((top, left))
-                    break
-            else:
-                continue
-            break
-    assert len(found) == len(ys)  # every image is a crop (flipped or not) of its own padded item
+def _crops(aug, x, ys):
+    """((top, left), (left-right, upside-down)) of every image of an epoch, found by trying each crop and flip."""
+    options = [((t, left), (h, v)) for t in range(2 * aug.padding + 1) for left in range(2 * aug.padding + 1)
+               for h in (False, True) for v in (False, True)]
+    found = [next((o for o in options if torch.equal(x[k], _by_hand(aug, int(y), *o[0], *o[1]))), None)
+             for k, y in enumerate(ys)]
+    assert None not in found  # every image is a crop of its own padded item, flipped or not
     return found
 
 

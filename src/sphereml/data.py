@@ -309,7 +309,7 @@ class RandomCropFlip(Dataset):
         images, self.labels = dataset.tensors
         if images.dim() != 4:
             raise ValueError(f"images must be Tensor[N, C, H, W], got shape {tuple(images.shape)}")
-        self.padding, self.hflip, self.vflip = integer("padding", padding, at_least=0), hflip, vflip
+        self.padding, self.hflip, self.vflip = integer("padding", padding, at_least=0), bool(hflip), bool(vflip)
         self.images = torch.nn.functional.pad(images, [padding] * 4) if padding else images
         self.size = images.shape[-2:]
 
@@ -325,7 +325,7 @@ class RandomCropFlip(Dataset):
     def crop_flip(self, idx: Tensor, offsets: Tensor, flips: Tensor) -> Tensor:
         """Items ``idx`` cropped at ``offsets`` (Tensor[B, 2]: top, left) and flipped where ``flips`` (Tensor[B, 2]
         of bool: left-right, upside-down) says: one gather, no host read."""
-        arange = [torch.arange(n, device=idx.device) for n in (self.images.shape[1], *self.size)]
+        arange = [torch.arange(n, device=self.images.device) for n in (self.images.shape[1], *self.size)]
         rows = (offsets[:, 0, None] + arange[1])[:, None, :, None]
         cols = (offsets[:, 1, None] + arange[2])[:, None, None, :]
         rows = torch.where(flips[:, 1, None, None, None], rows.flip(2), rows)

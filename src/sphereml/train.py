@@ -157,10 +157,10 @@ def on_device(data: Dataset, device: str | torch.device) -> Dataset:
     dev = torch.device(device)
     if dev.type == "cuda" and dev.index is None:  # "cuda" and "cuda:0" are one device: one copy
         dev = torch.device("cuda", torch.cuda.current_device())
-    movable = hasattr(data, "to_device")
-    if not (isinstance(data, TensorDataset) or movable) or movable and data.images.device == dev:
+    movable = hasattr(data, "to_device")  # an augmenting dataset of ``images`` and ``labels``
+    if not (isinstance(data, TensorDataset) or movable):
         return data
-    if not movable and all(t.device == dev for t in data.tensors):
+    if all(t.device == dev for t in ((data.images, data.labels) if movable else data.tensors)):
         return data
     copies = _ON_DEVICE.setdefault(data, {})
     if dev not in copies:
