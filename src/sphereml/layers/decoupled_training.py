@@ -37,10 +37,15 @@ __all__ = ["AIDS", "project_weights", "WeightProjection", "weighted_gradients", 
 AIDS = ("standard", "projection", "weighted")  # training_aid: plain gradients, §4.4.1, eq. 4.18
 
 
-def _unweighted_layers(model: nn.Module, what: str) -> list[nn.Module]:
+def _decoupled(model: nn.Module, what: str) -> list[nn.Module]:
     layers = decoupled_layers(model)
     if not layers:
         raise ValueError(f"{what}: the model has no decoupled layer")
+    return layers
+
+
+def _unweighted_layers(model: nn.Module, what: str) -> list[nn.Module]:
+    layers = _decoupled(model, what)
     weighted = [type(m).__name__ for m in layers if m.weighted]
     if weighted:
         raise ValueError(f"{what} changes the output of weighted operators ({', '.join(weighted)}); "
@@ -135,20 +140,13 @@ def init_from_pretrained(model: nn.Module, pretrained: nn.Module) -> list[str]:
     return copied
 
 
-def _decoupled(model: nn.Module) -> list[nn.Module]:
-    layers = decoupled_layers(model)
-    if not layers:
-        raise ValueError("the model has no decoupled layer")
-    return layers
-
-
 @torch.no_grad()
 def scale_kernels(model: nn.Module, norm: float = 1.0) -> nn.Module:
     """Before training: every kernel of every decoupled layer scaled to ``||w|| = norm``, weighted operators too
     (whose output it changes, unlike :func:`project_weights`), so that variants start from the same norm.
     Returns ``model``."""
     norm = real_number("norm", norm, above=0.0)
-    for layer in _decoupled(model):
+    for layer in _decoupled(model, "scale_kernels"):
         w = layer.weight
         w.div_(w.flatten(1).norm(dim=1).clamp_min(layer.eps).div(norm).view(-1, *([1] * (w.dim() - 1))))
     return model
@@ -156,7 +154,8 @@ def scale_kernels(model: nn.Module, norm: float = 1.0) -> nn.Module:
 
 def mean_kernel_norm(model: nn.Module) -> float:
     """The mean over the decoupled layers of each layer's mean kernel norm ||w|| (host reads: not per step)."""
-    layer_means = [float(m.weight.detach().flatten(1).norm(dim=1).mean()) for m in _decoupled(model)]
+    layers = _decoupled(model, "mean_kernel_norm")
+    layer_means = [float(m.weight.detach().flatten(1).norm(dim=1).mean()) for m in layers]
     return sum(layer_means) / len(layer_means)
 
 
@@ -167,7 +166,7 @@ def radius_per_channel(model: nn.Module) -> nn.Module:
     Every layer with a learned rho (``learnable_rho=True``) gets one raw parameter per output channel, each a
     copy of the layer's own, so the network computes the same function until they move apart; other layers
     are left alone.  Make the optimiser afterwards.  Returns ``model``."""
-    layers = [m for m in _decoupled(model) if getattr(m, "learnable_rho", False)]
+    layers = [m for m in _decoupled(model, "radius_per_channel") if getattr(m, "learnable_rho", False)]
     if not layers:
         raise ValueError("radius_per_channel: no decoupled layer learns its radius (learnable_rho=True)")
     for layer in layers:
