@@ -11,7 +11,8 @@
 #   bench     every benchmark on CUDA but the energy's scaling study (or the listed ones) (BENCH_LIMIT, 240 s)
 #   scaling   the energy's scaling study up to N = 2^20                                   (SCALING_LIMIT, 500 s)
 #   profile   each patch layer by backend: wall, host and device time per call, top kernels (PROFILE_LIMIT, 120 s)
-#   chapter:NAME / chapters   a chapter's gpu profile (all nine), run as a script made by jupytext beforehand
+#   chapter:NAME / chapters   a chapter's gpu profile (all nine, one after another; chapters-at-once: all at
+#             once, one thread each), run as a script made by jupytext beforehand
 #             (`make gpu-scripts` writes benchmarks/chapters/NAME.py, ignored by git: carry it)
 #             with metrics.json under _build/runs/NAME; SPHEREML_GPU_TINY=1 in the environment
 #             runs the same code at smoke sizes first, to check it   (CHAPTER_LIMIT, 600 s)
@@ -49,10 +50,17 @@ for part in "${PARTS[@]}"; do
       $PY -c "import pytest_timeout" 2>/dev/null && timeout=(--timeout "${TEST_TIMEOUT:-300}")
       # one thread per worker: 16 workers of 16 threads each on 16 cores ran the suite at a fraction of its speed
       # (an H200 box, 12 workers: 83 % of the tests in 265 s, the chapters beside them 4x slower than alone)
+      # work stealing (pytest-xdist >= 3.2): an idle worker takes tests queued on a busy one, so the slow tests
+      # do not wait at the end of one worker's share
+      dist=()
+      $PY -c "import sys, xdist; sys.exit(tuple(map(int, xdist.__version__.split('.')[:2])) < (3, 2))" 2>/dev/null \
+        && dist=(--dist worksteal)
       : > "$OUT/failure-messages.txt"
+      : > "$OUT/durations.txt"
       OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} MKL_NUM_THREADS=${MKL_NUM_THREADS:-1} \
-        SPHEREML_FAILURE_LOG="$OUT/failure-messages.txt" \
-        step tests "${TESTS_LIMIT:-240}" $PY -m pytest -n "${WORKERS:-auto}" -v -p no:cacheprovider "${timeout[@]}" \
+        SPHEREML_FAILURE_LOG="$OUT/failure-messages.txt" SPHEREML_DURATION_LOG="$OUT/durations.txt" \
+        step tests "${TESTS_LIMIT:-240}" $PY -m pytest -n "${WORKERS:-auto}" "${dist[@]}" -v -p no:cacheprovider \
+        "${timeout[@]}" \
         --continue-on-collection-errors --ignore=tests/test_book.py --ignore=tests/test_notebooks.py \
         --ignore=tests/test_browser.py --ignore=tests/test_setup.py --ignore=tests/test_chapter_verdicts.py \
         -m "not notebook" tests
@@ -75,12 +83,20 @@ for part in "${PARTS[@]}"; do
     profile)
       step profile "${PROFILE_LIMIT:-120}" $PY -m benchmarks.profile_layer
       ;;
-    chapter:*|chapters)
+    chapter:*|chapters|chapters-at-once)
       chapters=${part#chapter:}
-      [ "$part" = chapters ] && chapters=$(ls benchmarks/chapters/*.py 2>/dev/null | xargs -n1 basename | sed 's/\.py$//')
+      [ "$part" != "chapter:$chapters" ] \
+        && chapters=$(ls benchmarks/chapters/*.py 2>/dev/null | xargs -n1 basename | sed 's/\.py$//')
       for name in $chapters; do
-        SPHEREML_PROFILE=gpu step "chapter-$name" "${CHAPTER_LIMIT:-600}" $PY "benchmarks/chapters/$name.py"
+        if [ "$part" = chapters-at-once ]; then  # all at once, one thread each: their metrics.json list each
+          # training's seconds as it ends, so a chapter stopped by its limit still measures its throughput
+          OMP_NUM_THREADS=1 SPHEREML_PROFILE=gpu step "chapter-$name" "${CHAPTER_LIMIT:-600}" \
+            $PY "benchmarks/chapters/$name.py" &
+        else
+          SPHEREML_PROFILE=gpu step "chapter-$name" "${CHAPTER_LIMIT:-600}" $PY "benchmarks/chapters/$name.py"
+        fi
       done
+      wait
       ;;
     *) echo "unknown part $part" | tee -a "$OUT/summary.txt" ;;
   esac

@@ -30,12 +30,19 @@ def one_thread():
 
 def pytest_runtest_logreport(report):
     """With $SPHEREML_FAILURE_LOG set, append each failure's node id and message to that file as it happens, so a
-    suite stopped by a time limit (benchmarks/gpu_check.sh) still says why its tests failed.  Under xdist only
-    the controller writes (the workers forward their reports to it)."""
+    suite stopped by a time limit (benchmarks/gpu_check.sh) still says why its tests failed; with
+    $SPHEREML_DURATION_LOG, each test's duration.  Under xdist only the controller writes (the workers forward
+    their reports to it)."""
+    if "PYTEST_XDIST_WORKER" in os.environ:
+        return
     path = os.environ.get("SPHEREML_FAILURE_LOG")
-    if path and report.failed and "PYTEST_XDIST_WORKER" not in os.environ:
+    if path and report.failed:
         with open(path, "a") as log:
             log.write(f"{report.nodeid} ({report.when})\n{report.longreprtext}\n\n")
+    path = os.environ.get("SPHEREML_DURATION_LOG")  # each test's time as it ends: the slow ones of a stopped suite
+    if path and report.when == "call":
+        with open(path, "a") as log:
+            log.write(f"{report.duration:8.2f} {report.outcome:7} {report.nodeid}\n")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -78,3 +85,40 @@ def sm90_compile_rows(benchmark: str) -> list[dict]:
                           capture_output=True, env={**os.environ, "TRITON_INTERPRET": "0"}, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     return json.loads(done.stdout.splitlines()[-1])
+
+
+_LOOP_PROBE = """
+import torch, triton, triton.language as tl
+
+@triton.jit
+def total(X, n):
+    acc = 0.0
+    for i in range(0, n):
+        acc += tl.load(X + i)
+    tl.store(X, acc)
+
+x = torch.ones(3)
+total[(1,)](x, 3)
+assert x[0].item() == 3.0
+"""
+
+
+def triton_interpreter_problem() -> str | None:
+    """Why Triton's interpreter cannot run our kernels here, or None: a three-line kernel with a loop over a
+    runtime bound, interpreted in a subprocess.  Triton 3.6's interpreter holds scalars as one-element arrays
+    and converts them with ``int()``, which NumPy 2.4 refuses ("only 0-dimensional arrays can be converted");
+    the compiled kernels are unaffected."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton", reason="needs Triton")
+    done = subprocess.run([sys.executable, "-c", _LOOP_PROBE], env={**os.environ, "TRITON_INTERPRET": "1"},
+                          capture_output=True, text=True, timeout=120)
+    if done.returncode == 0:
+        return None
+    import numpy
+    import triton
+
+    last = (done.stderr.strip().splitlines() or ["no message"])[-1]
+    return f"Triton {triton.__version__}'s interpreter fails with NumPy {numpy.__version__}: {last[-200:]}"
+

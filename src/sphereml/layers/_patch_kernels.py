@@ -40,9 +40,11 @@ EPILOGUES = {"cosine": 0, "sharpen": 1, "linear": 2, "sigmoid": 3, "sqcosine": 4
 
 # (channel block, position block, warps): small under the interpreter, Hopper-sized on a GPU.  The backward
 # keeps more tiles live: on sm_90a (ptxas -v) 32 x 128 with 4 warps spilled 276 bytes (sharpening), 32 x 64
-# with 4 warps 16-20 bytes (sigmoid), 32 x 64 with 8 warps none (64-112 registers).
+# with 4 warps 16-20 bytes (sigmoid), 32 x 64 with 8 warps none under Triton 3.9 (64-141 registers) but 16 bytes
+# under Triton 3.6 (sigmoid with a scalar k and a magnitude, capped at 80 registers); 16 x 64 with 8 warps none
+# under either (62-64 registers).
 FORWARD_BLOCKS = (8, 16, 4) if interpreting() else (32, 128, 4)
-BACKWARD_BLOCKS = (8, 16, 4) if interpreting() else (32, 64, 8)
+BACKWARD_BLOCKS = (8, 16, 4) if interpreting() else (16, 64, 8)
 
 
 @triton.jit
