@@ -104,6 +104,20 @@ def test_render_marks_missing_profiles_and_collect_rejects_bad_records(tmp_path)
     page = ledger.render(both)
     assert page.count("verdict (gpu)") == 3  # the heading and the two rows' phone labels
     assert page.count(">not run<") == 4  # ours and verdict: z has no gpu run, y no cpu run
+    assert "changed from" not in page and "change with scale" not in page  # no claim was run in both
+
+
+def test_render_marks_verdicts_that_change_with_scale(tmp_path):
+    cpu = [_claim("same"), _claim("moved", "not distinguishable"), _claim("cpu only")]
+    gpu = [_claim("same"), _claim("moved", "holds"), _claim("gpu only", "does not hold")]
+    snapshot = ledger.collect([_metrics(tmp_path, "04_d", "cpu", cpu), _metrics(tmp_path / "g", "04_d", "gpu", gpu)])
+    page = ledger.render(snapshot)
+    assert "- Verdicts that change with scale: 1 of the 2 claims run in both `cpu` and `gpu`" in page
+    rows = {re.search(r'#([^"]+)">', row).group(1): row for row in page.split("\n") if row.startswith("<tr")}
+    moved = [row for anchor, row in rows.items() if "moved" in anchor]
+    assert len(moved) == 1 and moved[0].startswith('<tr class="scale-change">')
+    assert moved[0].count("changed from cpu") == 1
+    assert sum("changed from" in row for row in rows.values()) == 1  # same verdict, or one profile only: no mark
     bad = _metrics(tmp_path / "bad", "03_c", "cpu", [_claim("w", verdict="maybe")])
     with pytest.raises(ValueError, match="valid verdict"):
         ledger.collect([bad])

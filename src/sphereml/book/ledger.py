@@ -82,6 +82,22 @@ def _summary(snapshot: dict) -> list[str]:
         chapters = sum(profile in runs for runs in snapshot["chapters"].values())
         parts = ", ".join(f"{n} {label}" for label, n in counts.items())
         lines.append(f"- `{profile}` profile: {len(records)} claims from {chapters} chapters: {parts}.")
+    return lines + _scale_changes(snapshot)
+
+
+def _scale_changes(snapshot: dict) -> list[str]:
+    """A line per pair of profiles that share claims: how many of those claims change their verdict."""
+    lines = []
+    for small, large in zip(LEDGER_PROFILES, LEDGER_PROFILES[1:]):
+        both = changed = 0
+        for runs in snapshot["chapters"].values():
+            verdicts = [{r["id"]: r["verdict"] for r in runs.get(p, {}).get("claims", [])} for p in (small, large)]
+            shared = verdicts[0].keys() & verdicts[1].keys()
+            both += len(shared)
+            changed += sum(verdicts[0][i] != verdicts[1][i] for i in shared)
+        if both:
+            lines.append(f"- Verdicts that change with scale: {changed} of the {both} claims run in both `{small}` "
+                         f'and `{large}` (marked "changed from {small}" in the table).')
     return lines
 
 

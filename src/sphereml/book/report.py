@@ -182,12 +182,17 @@ def _ledger_row(chapter: str, number: str, runs: dict, claim_id: str, profiles: 
              f'<td data-label="kind">{e(record["kind"])}</td>',
              f'<td data-label="source">{e(record["source"])}</td>',
              f'<td data-label="source\'s value">{e(describe(record["paper"]))}</td>']
+    changed, previous = False, None  # a verdict that differs from the smaller profile's before it: scale matters
     for profile in profiles:
         found = records[profile]
+        change = ""
+        if found and previous and found["verdict"] != previous[1]["verdict"]:
+            change, changed = f' <span class="scale-change">changed from {previous[0]}</span>', True
         cells.append(f'<td data-label="ours ({profile})">{e(ours_text(found)) if found else "not run"}</td>')
         cells.append(f'<td data-label="verdict ({profile})" data-sort="{found["verdict"] if found else "~"}">'
-                     f'{badge(found["verdict"]) if found else "not run"}</td>')
-    return "<tr>" + "".join(cells) + "</tr>"
+                     f'{badge(found["verdict"]) + change if found else "not run"}</td>')
+        previous = (profile, found) if found else previous
+    return ('<tr class="scale-change">' if changed else "<tr>") + "".join(cells) + "</tr>"
 
 
 def ledger_table(snapshot: dict) -> str:
@@ -195,7 +200,9 @@ def ledger_table(snapshot: dict) -> str:
 
     One row per claim: chapter, the claim (a link to its card in the chapter), kind, source, the source's
     value, and per profile our numbers and the verdict; a ``gpu`` (``paper``) pair of columns only when some
-    chapter has ``gpu`` (``paper``) records.  The table has no blank line, so Markdown keeps it as one HTML block.
+    chapter has ``gpu`` (``paper``) records.  A verdict that differs from the one of the smaller profile before it
+    says "changed from cpu" (the row gets the class ``scale-change``).  The table has no blank line, so Markdown
+    keeps it as one HTML block.
     """
     profiles = tuple(p for p in LEDGER_PROFILES if any(p in runs for runs in snapshot["chapters"].values()))
     head = ["chapter", "claim", "kind", "source", "source's value"]
