@@ -149,6 +149,28 @@ def test_evaluate_recalibrates_running_statistics_once_after_each_fit(tmp_path, 
     assert calls == [1, 1]  # nothing to recalibrate
 
 
+def test_fit_seeds_trains_like_fit_and_recalibrates_each_model(tmp_path, monkeypatch):
+    from sphereml.data import sphere_clusters
+
+    ch = chapter.Chapter("demo", profile="cpu", device="cpu", seed=0, output_dir=str(tmp_path))
+    data = sphere_clusters(3, 40, 6, concentration=3.0, seed=0)
+
+    def net(seed):
+        torch.manual_seed(seed)
+        return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.BatchNorm1d(8), torch.nn.ReLU(),
+                                   torch.nn.Linear(8, 3)).double()
+
+    data = torch.utils.data.TensorDataset(data.tensors[0].double(), data.tensors[1])
+    together, alone = [net(1), net(2)], [net(1), net(2)]
+    ch.fit_seeds(together, data, [4, 5], epochs=2, lr=0.05, batch_size=32)
+    for model, twin, seed in zip(together, alone, (4, 5)):
+        ch.fit(twin, data, epochs=2, lr=0.05, batch_size=32, seed=seed)
+        assert ch.evaluate(model, data) == pytest.approx(ch.evaluate(twin, data), rel=1e-9)
+        assert recalibration.stats_fresh(model)
+    fits = json.loads((tmp_path / "metrics.json").read_text())["fits"]
+    assert [f.get("together") for f in fits] == [2, 2, None, None] and all(f["n_train"] == 120 for f in fits)
+
+
 def test_a_tiny_gpu_run_takes_gpu_paths_at_smoke_sizes(tmp_path, monkeypatch):
     monkeypatch.setenv("SPHEREML_GPU_TINY", "1")
     ch = chapter.Chapter("demo", profile="gpu", device="cpu", output_dir=str(tmp_path))

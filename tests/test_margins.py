@@ -274,16 +274,16 @@ def test_bad_inputs():
 
 
 def test_weight_normalized_linear_backward():
-    from sphereml.heads.margin_ce import WeightNormalizedLinear as _WeightNormalizedLinear
+    from sphereml.heads.margin_ce import weight_normalized_linear
 
     x, _ = _batch(5)
     w = torch.randn(C, D, dtype=torch.float64)
     w[1] *= 1e-3
     assert torch.autograd.gradcheck(
-        lambda a, b: _WeightNormalizedLinear.apply(a, b, 1e-12), (x.requires_grad_(True), w.requires_grad_(True)))
-    torch.testing.assert_close(_WeightNormalizedLinear.apply(x, w, 1e-12), x @ normalize(w).T)
+        lambda a, b: weight_normalized_linear(a, b, 1e-12), (x.requires_grad_(True), w.requires_grad_(True)))
+    torch.testing.assert_close(weight_normalized_linear(x, w, 1e-12), x @ normalize(w).T)
     zero_row = torch.zeros(C, D, dtype=torch.float64, requires_grad=True)
-    _WeightNormalizedLinear.apply(x, zero_row, 1e-12).sum().backward()
+    weight_normalized_linear(x, zero_row, 1e-12).sum().backward()
     assert bool(torch.isfinite(zero_row.grad).all())
 
 

@@ -31,6 +31,7 @@ module:
 * :mod:`~sphereml.models` — the book's networks, built from operator factories; ``Classifier``.
 * :mod:`~sphereml.data` — Fashion-MNIST, digits, CIFAR-10/100, synthetic sphere data.
 * :mod:`~sphereml.train` — ``fit`` / ``evaluate``: seeding, devices, history, checkpoints, callbacks.
+* :mod:`~sphereml.multiseed` — ``fit_seeds``: several seeds of one network trained in one batched step.
 * :mod:`~sphereml.recalibration` — running statistics re-estimated before an evaluation (the book's rule).
 * :mod:`~sphereml.distributed` — ``torchrun`` support: process group, data-parallel gradient sums.
 * :mod:`~sphereml.metrics` — accuracy, angular hardness and Fisher score, verification.

@@ -14,6 +14,7 @@ from typing import Iterable
 
 import torch
 from torch import Tensor
+from torch._C._functorch import is_functorch_wrapped_tensor
 
 from . import launches
 
@@ -77,5 +78,7 @@ def labels(name: str, value, n: int, num_classes: int | None = None) -> Tensor:
 
 def values_readable(t: Tensor) -> bool:
     """Whether a value check may read ``t``: a CPU tensor, eagerly, outside :func:`sphereml.launches.no_host_sync`
-    (which runs code as it would run on a GPU, where reading a value synchronises the device)."""
-    return t.device.type == "cpu" and not torch.compiler.is_compiling() and not launches.checking_host_reads()
+    (which runs code as it would run on a GPU, where reading a value synchronises the device) and outside
+    ``torch.func`` transforms (``vmap`` over several seeds, :mod:`sphereml.multiseed`, cannot read a value)."""
+    return (t.device.type == "cpu" and not torch.compiler.is_compiling() and not launches.checking_host_reads()
+            and not is_functorch_wrapped_tensor(t))

@@ -42,7 +42,7 @@ from ._checks import integer, real_number
 
 __all__ = [
     "seed_everything", "resolve_device", "fit", "evaluate", "collect_outputs",
-    "History", "StepState", "Tracker", "default_loss", "num_steps", "on_device", "batches",
+    "History", "StepState", "Tracker", "default_loss", "num_steps", "on_device", "batches", "make_optimizer",
 ]
 
 DEVICES = ("auto", "cpu", "cuda")
@@ -186,7 +186,8 @@ def batches(data: Dataset, batch_size: int, shuffle: bool = False,
         yield from DataLoader(data, batch_size=batch_size, shuffle=shuffle, generator=generator)
 
 
-def _make_optimizer(optimizer, params, lr: float, weight_decay: float, momentum: float):
+def make_optimizer(optimizer, params, lr: float, weight_decay: float, momentum: float):
+    """``"sgd"`` (with ``momentum``), ``"adam"`` or ``callable(params)``: the optimiser :func:`fit` builds."""
     if callable(optimizer):
         return optimizer(params)
     if optimizer == "sgd":
@@ -258,7 +259,7 @@ def fit(model: nn.Module, train_data: Dataset, *, epochs: int, batch_size: int =
         distributed.broadcast_from_rank0(model, parameters=True)  # every rank starts from rank 0's weights
     trainable = [p for p in model.parameters() if p.requires_grad]
     step_objective = _step_objective(model, loss_fn, regularizer, compile)
-    opt = _make_optimizer(optimizer, trainable, lr, weight_decay, momentum)
+    opt = make_optimizer(optimizer, trainable, lr, weight_decay, momentum)
     sched = scheduler(opt) if scheduler is not None else None
     history = History()
     start_epoch = 0

@@ -34,6 +34,7 @@ from torch.utils.data import TensorDataset
 from .. import _io, data, distributed
 from . import recipes, viz
 from .._checks import integer
+from ..multiseed import fit_seeds
 from ..recalibration import has_running_stats, recalibrate, stats_fresh
 from ..train import collect_outputs, evaluate, fit, resolve_device, seed_everything
 from .report import ClaimCard, VerdictTable, show
@@ -243,6 +244,20 @@ class Chapter:
                                      "seconds": round(seconds, 3)})
         self.write()
         return history
+
+    def fit_seeds(self, models, train_data, seeds, recipe: str | None = None, **kwargs):
+        """:func:`~sphereml.multiseed.fit_seeds` on this chapter's device: ``models[i]`` trained as
+        ``fit(models[i], seed=seeds[i])`` would be, all seeds in one batched step (plain PyTorch layers and the
+        margin heads; Note [fit_seeds is fit, seed by seed]).  The metrics list one training per model, each with
+        an equal share of the time; :meth:`evaluate` recalibrates each model as after :meth:`fit`."""
+        histories = fit_seeds(models, train_data, seeds=seeds, device=self.device, **kwargs)
+        for model, history in zip(models, histories):
+            self._trained_on[model] = train_data
+            seconds = sum(epoch["seconds"] for epoch in history.epochs) / len(models)
+            self.metrics["fits"].append({"recipe": recipe, "epochs": kwargs["epochs"], "n_train": len(train_data),
+                                         "seconds": round(seconds, 3), "together": len(models)})
+        self.write()
+        return histories
 
     def recalibrate_if_stale(self, model) -> None:
         """The book's one rule for networks with running statistics (BatchNorm): before an evaluation, re-estimate

@@ -36,7 +36,7 @@ from torch import Tensor
 from ..energy.triton_backend import choose_backend, usable_on
 from ..geometry import safe_norm
 
-__all__ = ["WeightNormalizedLinear", "margin_cross_entropy"]
+__all__ = ["WeightNormalizedLinear", "weight_normalized_linear", "margin_cross_entropy"]
 
 
 class WeightNormalizedLinear(torch.autograd.Function):
@@ -49,24 +49,39 @@ class WeightNormalizedLinear(torch.autograd.Function):
     ``nn.Linear`` at B = 256, d = 512, C = 10,000 on our CPU).
     """
 
-    @staticmethod
-    def forward(ctx, x: Tensor, weight: Tensor, eps: float) -> Tensor:
-        norm = safe_norm(weight, dim=1)
-        inv = norm.clamp_min(eps).reciprocal()  # (C,)
-        out = (x @ weight.T) * inv  # (B, C)
-        ctx.save_for_backward(x, weight, inv, out, norm >= eps)
-        return out
+    generate_vmap_rule = True  # several seeds' heads at once (sphereml.multiseed)
 
     @staticmethod
-    def backward(ctx, grad: Tensor):
+    def forward(x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor, Tensor]:
+        """(x W_hat^T, 1 / max(||W_j||, eps), ||W_j|| >= eps): the two extras are for the backward only."""
+        norm = safe_norm(weight, dim=1)
+        inv = norm.clamp_min(eps).reciprocal()  # (C,)
+        return (x @ weight.T) * inv, inv, norm >= eps  # (B, C), (C,), (C,)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        (x, weight, _), (out, inv, active) = inputs, output
+        ctx.mark_non_differentiable(inv, active)
+        ctx.set_materialize_grads(False)  # no zero gradients made for those extras
+        ctx.save_for_backward(x, weight, inv, out, active)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor | None, _grad_inv=None, _grad_active=None):
+        if grad is None:  # the product unused (only an extra asked for): nothing flows back
+            return None, None, None
         x, weight, inv, out, active = ctx.saved_tensors
         g = grad * inv  # (B, C)
         grad_x = g @ weight if ctx.needs_input_grad[0] else None
         grad_w = None
         if ctx.needs_input_grad[1]:
             coeff = (grad * out).sum(0) * inv * inv * active  # (C,); zero where the norm was floored
-            grad_w = (g.T @ x).addcmul_(weight, coeff[:, None], value=-1.0)
+            grad_w = torch.addcmul(g.T @ x, weight, coeff[:, None], value=-1.0)
         return grad_x, grad_w, None
+
+
+def weight_normalized_linear(x: Tensor, weight: Tensor, eps: float = 1e-12) -> Tensor:
+    """x W_hat^T, W_hat_j = W_j / max(||W_j||, eps): :class:`WeightNormalizedLinear`'s product."""
+    return WeightNormalizedLinear.apply(x, weight, eps)[0]
 
 
 # --- the two passes as custom operators: Triton kernels where usable, PyTorch operations otherwise ---
@@ -207,7 +222,7 @@ class _FusedMarginCE(torch.autograd.Function):
 
 
 def _reference(x, weight, labels, target, normalize_weight, eps):
-    logits = WeightNormalizedLinear.apply(x, weight, eps) if normalize_weight else x @ weight.T
+    logits = weight_normalized_linear(x, weight, eps) if normalize_weight else x @ weight.T
     with_target = logits.scatter(1, labels[:, None], target[:, None].to(logits.dtype))
     return F.cross_entropy(with_target, labels), logits
 

@@ -49,7 +49,7 @@ from .._checks import integer, labels as check_labels, real_number
 from ..angular import angular_activation, angular_function, check_angular, stable_arccos
 from ..energy.triton_backend import FUSED_BACKENDS, choose_backend
 from ..geometry import normalize, safe_norm
-from .margin_ce import WeightNormalizedLinear, margin_cross_entropy
+from .margin_ce import margin_cross_entropy, weight_normalized_linear
 from .schedules import LambdaSchedule
 from .targets import arcface_psi, integer_margin, multiplicative_psi, psi
 
@@ -204,7 +204,7 @@ class NormalizedSoftmaxLoss(_MarginHead):
 
     def logits(self, features: Tensor) -> Tensor:
         self._check_features(features)
-        return WeightNormalizedLinear.apply(self.product_input(features), self.weight, 1e-12)
+        return weight_normalized_linear(self.product_input(features), self.weight, 1e-12)
 
     def _scale(self, features, labels):
         if self.s is None:

@@ -1,0 +1,47 @@
+"""Three seeds of a chapter's network trained together (``sphereml.multiseed.fit_seeds``, one batched step) against
+the same three trained one after another with ``fit``: one epoch each way, on Fashion-MNIST-sized batches.
+
+On a GPU these networks are bound by launching kernels (book/reproducing.md, "Sizing the gpu profiles"), so the
+stacked step should take little more than one seed's; on a CPU the arithmetic is the same either way.
+"""
+
+import torch
+from torch.utils.data import TensorDataset
+
+from sphereml import models
+from sphereml.multiseed import fit_seeds
+from sphereml.train import fit
+
+from .harness import compare, smoke_or
+
+SEEDS = [0, 1, 2]
+NETWORKS = {  # chapter 1-2's ConvNet and chapter 3's CNN-9 baseline, on 1 x 28 x 28 images
+    "convnet_16x32": lambda: models.Classifier(models.ConvNet(1, 64, widths=(16, 32), act_layer="prelu"), 10),
+    "cnn9_64x96x128": lambda: models.Classifier(
+        models.plain_cnn(9, widths=(64, 96, 128), in_channels=1, image_size=28, feature_dim=256), 10),
+}
+
+
+def run(device: torch.device) -> dict:
+    n, batch = smoke_or(2048, 16), smoke_or(128, 8)
+    generator = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.rand(n, 1, 28, 28, generator=generator), torch.randint(0, 10, (n,), generator=generator))
+    results = {}
+    for name, make in smoke_or(NETWORKS, dict(list(NETWORKS.items())[:1])).items():
+        nets = [make().to(device) for _ in SEEDS]
+        settings = dict(epochs=1, batch_size=batch, lr=1e-3, optimizer="adam", device=device)
+
+        def together(nets=nets, settings=settings):
+            fit_seeds(nets, data, seeds=SEEDS, **settings)
+
+        def one_after_another(nets=nets, settings=settings):
+            for net, seed in zip(nets, SEEDS):
+                fit(net, data, seed=seed, progress=False, **settings)
+
+        candidates = {"3 seeds together": together, "3 seeds one after another": one_after_another}
+        results[name] = compare(
+            f"multiseed_{name}_b{batch}", candidates, baseline="3 seeds one after another", device=device,
+            repeats=3, count=True,
+            extra={"images": n, "batch": batch, "seeds": len(SEEDS),
+                   "note": "one epoch of each seed; ops_per_call counts the whole epoch"})
+    return results

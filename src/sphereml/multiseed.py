@@ -1,0 +1,180 @@
+"""Several seeds of one network trained together: one batched step for all of them.
+
+A chapter's verdicts pair networks over seeds, so it trains the same architecture several times, each with its own
+initial weights and data order.  On a GPU such small networks are bound by launching kernels, not by arithmetic
+(``book/reproducing.md``, "Sizing the gpu profiles"), and training the seeds one after another launches every
+kernel once per seed.  :func:`fit_seeds` stacks the seeds' parameters along a new first dimension
+(``torch.func.stack_module_state`` style) and runs one step of all of them through ``torch.func.vmap``: each
+operation is launched once for the whole stack, as a batched (grouped) kernel.
+
+Note [fit_seeds is fit, seed by seed]
+-------------------------------------
+The seeds do not interact: the loss of the stack is the sum of the seeds' losses, so each seed's gradient is its own
+loss's gradient, and SGD (momentum, weight decay) and Adam update every element independently, so one optimiser over
+the stacked tensors is one optimiser per seed.  Seed ``s`` sees the batches ``fit(model, seed=s)`` would draw (the
+same generator per epoch), and BatchNorm updates its running statistics in its own slice of the stacked buffers.
+So ``fit_seeds(models, data, seeds=[a, b])`` ends where ``fit(models[0], data, seed=a)`` and ``fit(models[1],
+data, seed=b)`` end, up to float rounding (``tests/test_multiseed.py`` checks it in float64).  What it leaves out is
+what would couple or serialise the seeds: regularisers, callbacks, per-epoch validation, checkpoints, and random
+layers (dropout draws its noise per seed, but not from ``fit``'s stream).  Every operation needs a batching rule:
+PyTorch's layers and losses have them, and so has the margin heads' weight-normalised product
+(:class:`~sphereml.heads.margin_ce.WeightNormalizedLinear`); the patch layers' and angular functions' hand-written
+backward passes (SphereConv, SCS, the decoupled operators) do not yet, and such a network is refused by name.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Sequence
+
+import torch
+from torch import Tensor, nn
+from torch.func import functional_call, vmap
+from torch.utils.data import Dataset
+
+from ._checks import integer, real_number
+from .train import History, LossFn, batches, default_loss, make_optimizer, on_device, resolve_device
+
+__all__ = ["fit_seeds", "stack_state", "unstack_state"]
+
+OPTIMIZERS = ("sgd", "adam")
+
+
+def stack_state(models: Sequence[nn.Module]) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+    """The models' parameters and buffers stacked along a new first dimension: ``(params, buffers)``, each a dict by
+    name.  A parameter is a new leaf that requires grad where the first model's does.
+
+    Raises:
+        ValueError: no model, or models whose parameters or buffers differ in names or shapes.
+    """
+    if not models:
+        raise ValueError("stack_state needs at least one model")
+    first = models[0]
+    layout = [(n, t.shape) for n, t in (*first.named_parameters(), *first.named_buffers())]
+    for i, model in enumerate(models[1:], 1):
+        other = [(n, t.shape) for n, t in (*model.named_parameters(), *model.named_buffers())]
+        if type(model) is not type(first) or other != layout:
+            raise ValueError(f"model {i} is not the architecture of model 0 (type, parameter names or shapes differ)")
+    params = {n: torch.stack([m.get_parameter(n).detach() for m in models]).requires_grad_(p.requires_grad)
+              for n, p in first.named_parameters()}
+    buffers = {n: torch.stack([m.get_buffer(n) for m in models]) for n, _ in first.named_buffers()}
+    return params, buffers
+
+
+def unstack_state(models: Sequence[nn.Module], params: dict[str, Tensor], buffers: dict[str, Tensor]) -> None:
+    """Copy slice ``i`` of the stacked ``params`` and ``buffers`` into ``models[i]``, in place."""
+    with torch.no_grad():
+        for i, model in enumerate(models):
+            for name, value in (*params.items(), *buffers.items()):
+                target = model.get_parameter(name) if name in params else model.get_buffer(name)
+                target.copy_(value[i])
+
+
+class _Objective(nn.Module):
+    """``loss_fn(model, x, y)`` as a module's forward, so that ``functional_call`` can swap the model's state."""
+
+    def __init__(self, model: nn.Module, loss_fn: LossFn):
+        super().__init__()
+        self.model, self.loss_fn = model, loss_fn
+
+    def forward(self, x: Tensor, y: Tensor):
+        return self.loss_fn(self.model, x, y)
+
+
+def _stacked_step(objective: _Objective, has_logits: list) -> Callable:
+    """``(params, buffers, x, y) -> (loss per seed, logits per seed)``, the seeds along the first dimension."""
+
+    def one_seed(params, buffers, x, y):
+        state = {f"model.{name}": value for name, value in (*params.items(), *buffers.items())}
+        loss, logits = functional_call(objective, state, (x, y), strict=True)
+        has_logits[:] = [logits is not None]  # known when the function is traced, before any result is read
+        return loss, (loss.new_zeros(0) if logits is None else logits)
+
+    return vmap(one_seed, randomness="different")
+
+
+def fit_seeds(models: Sequence[nn.Module], train_data: Dataset, *, seeds: Sequence[int], epochs: int,
+              batch_size: int = 128, lr: float = 1e-3, optimizer: str = "adam", weight_decay: float = 0.0,
+              momentum: float = 0.9, scheduler: Callable | None = None, loss_fn: LossFn | None = None,
+              device: str | torch.device = "auto") -> list[History]:
+    """Train ``models[i]`` as ``fit(models[i], train_data, seed=seeds[i], ...)`` would, all in one batched step
+    (Note [fit_seeds is fit, seed by seed]).
+
+    Args:
+        models: networks of one architecture (their own initial weights), trained in place on ``device``.
+        train_data (Dataset): as for :func:`~sphereml.train.fit` (a TensorDataset, or one with ``device_batches``).
+        seeds: one per model: its data order, as ``fit``'s ``seed``.
+        epochs, batch_size, lr, weight_decay, momentum, scheduler, loss_fn, device: as for ``fit``.
+        optimizer (str): ``"sgd"`` or ``"adam"`` (element-wise updates, so one optimiser serves every seed).
+
+    Returns:
+        One :class:`~sphereml.train.History` per model: its steps' losses and, per epoch, train_loss, train_acc (when
+        the loss gives logits), reg (0) and the epoch's seconds (shared by the seeds).
+
+    Raises:
+        ValueError: no model, a number of seeds that is not the number of models, models of different
+            architectures, an optimiser other than ``"sgd"`` or ``"adam"``, or a bad size or rate.
+    """
+    if len(models) != len(seeds):
+        raise ValueError(f"fit_seeds needs one seed per model, got {len(models)} models and {len(seeds)} seeds")
+    for seed in seeds:
+        integer("seed", seed, at_least=0)
+    integer("epochs", epochs, at_least=0)
+    integer("batch_size", batch_size, at_least=1)
+    real_number("lr", lr, above=0.0)
+    dev = resolve_device(device)
+    for model in models:
+        model.to(dev).train()
+    if optimizer not in OPTIMIZERS:  # a callable's update may mix elements, and so seeds
+        raise ValueError(f"optimizer must be one of {OPTIMIZERS} (element-wise, so one per seed), got {optimizer!r}")
+    params, buffers = stack_state(models)
+    trainable = [p for p in params.values() if p.requires_grad]
+    opt = make_optimizer(optimizer, trainable, lr, weight_decay, momentum)
+    sched = scheduler(opt) if scheduler is not None else None
+    has_logits: list = []
+    step = _stacked_step(_Objective(models[0], loss_fn or default_loss), has_logits)
+    train_data = on_device(train_data, dev)
+    torch.manual_seed(seeds[0])  # random layers draw from here (not fit's streams: Note [fit_seeds is fit, ...])
+    histories = [History() for _ in models]
+    for epoch in range(epochs):
+        t0 = time.perf_counter()
+        losses, sizes, correct = [], [], torch.zeros(len(models), dtype=torch.long, device=dev)
+        orders = [torch.Generator().manual_seed(seed * 1_000_003 + epoch) for seed in seeds]  # as fit draws them
+        for per_seed in zip(*(batches(train_data, batch_size, True, order) for order in orders)):
+            x, y = (torch.stack(parts).to(dev, non_blocking=True) for parts in zip(*per_seed))
+            try:
+                loss, logits = step(params, buffers, x, y)
+            except RuntimeError as error:
+                if "setup_context" not in str(error):
+                    raise
+                raise ValueError("fit_seeds cannot batch this network: one of its layers has a hand-written "
+                                 "backward without a vmap rule (SphereConv, SCS and the decoupled operators' "
+                                 "patch epilogue, the angular functions); train its seeds with fit") from error
+            opt.zero_grad(set_to_none=True)
+            loss.sum().backward()  # the seeds do not interact: each slice gets its own loss's gradient
+            opt.step()
+            losses.append(loss.detach().double())
+            sizes.append(y.shape[1])
+            if has_logits[0]:
+                correct += (logits.argmax(-1) == y).sum(1)
+        if sched is not None:
+            sched.step()
+        _record(histories, losses, sizes, correct if has_logits and has_logits[0] else None,
+                epoch, time.perf_counter() - t0)
+    unstack_state(models, params, buffers)
+    for model in models:
+        model._sphereml_stats_fresh = False  # the weights moved: running statistics lag (sphereml.recalibration)
+    return histories
+
+
+def _record(histories: list[History], losses: list[Tensor], sizes: list[int], correct: Tensor | None,
+            epoch: int, seconds: float) -> None:
+    """Each seed's epoch record, from its steps' losses (read back once per epoch, one device sync)."""
+    values = torch.stack(losses).T.tolist() if losses else [[] for _ in histories]  # [seed][step]
+    counts = correct.tolist() if correct is not None else [None] * len(histories)
+    seen = sum(sizes)
+    for history, steps, right in zip(histories, values, counts):
+        history.steps.extend(steps)
+        history.epochs.append({
+            "epoch": epoch + 1, "train_loss": sum(v * n for v, n in zip(steps, sizes)) / max(seen, 1),
+            "train_acc": right / max(seen, 1) if right is not None else None, "reg": 0.0, "seconds": seconds})

@@ -1,0 +1,172 @@
+"""fit_seeds: several seeds of one network in one batched step, ending where fit ends seed by seed
+(Note [fit_seeds is fit, seed by seed]), with one step's launches independent of the number of seeds."""
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+from sphereml import launches, models
+from sphereml.heads import ArcFaceLoss
+from sphereml.multiseed import fit_seeds, stack_state, unstack_state
+from sphereml.train import fit
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _data(n=96, side=8, classes=4, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return TensorDataset(torch.randn(n, 1, side, side, generator=g, dtype=torch.float64),
+                         torch.randint(0, classes, (n,), generator=g))
+
+
+BODIES = {  # each on 1 x 8 x 8 inputs
+    "CNN-3 with BatchNorm": lambda: models.plain_cnn(3, widths=(3, 4, 5), in_channels=1, image_size=8, feature_dim=6),
+    "ConvNet, PReLU": lambda: models.ConvNet(1, 6, (3, 4), image_size=8, act_layer="prelu"),
+    "SphereNet-3": lambda: models.spherenet(3, widths=(3, 4, 5), in_channels=1, image_size=8, feature_dim=6),
+}
+BATCHED = ["CNN-3 with BatchNorm", "ConvNet, PReLU"]  # what fit_seeds can batch today
+
+
+def _cnn(seed, head=None, body="CNN-3 with BatchNorm"):
+    torch.manual_seed(seed)
+    return models.Classifier(BODIES[body](), 4, head=head).double()
+
+
+def _state(model):
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("body", BATCHED)
+@pytest.mark.parametrize("optimizer,kwargs", [("adam", {"weight_decay": 1e-3}),
+                                              ("sgd", {"momentum": 0.9, "weight_decay": 5e-4, "lr": 0.05})])
+def test_fit_seeds_ends_where_fit_ends_seed_by_seed(optimizer, kwargs, body):
+    data, seeds = _data(), [3, 7, 11]
+    together = [_cnn(s, body=body) for s in seeds]
+    alone = [_cnn(s, body=body) for s in seeds]
+    schedule = lambda opt: torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)  # noqa: E731
+    settings = dict(epochs=2, batch_size=40, optimizer=optimizer, scheduler=schedule, device="cpu", **kwargs)
+    with warnings.catch_warnings():  # every operation has a batching rule: no slow per-seed fallback
+        warnings.simplefilter("error", UserWarning)
+        histories = fit_seeds(together, data, seeds=seeds, **settings)
+    for model, twin, seed, history in zip(together, alone, seeds, histories):
+        expected = fit(twin, data, seed=seed, progress=False, **settings)
+        assert history.steps == pytest.approx(expected.steps, rel=1e-10)  # 3 batches (40, 40, 16) x 2 epochs
+        for key in ("train_loss", "train_acc"):
+            assert history[key] == pytest.approx(expected[key], rel=1e-10)
+        got, want = _state(model), _state(twin)
+        assert got.keys() == want.keys()
+        for name in want:  # weights (k, p, q included), and BatchNorm's running statistics and batch counts
+            # atol: a conv bias before BatchNorm has no gradient but rounding, and Adam scales that to whole steps
+            torch.testing.assert_close(got[name], want[name], rtol=1e-9, atol=1e-9, msg=name)
+    assert not torch.equal(_state(together[0])["head.weight"], _state(together[1])["head.weight"])
+
+
+def test_fit_seeds_takes_a_margin_head_and_a_custom_loss():
+    data, seeds = _data(seed=1), [0, 1]
+    heads = [ArcFaceLoss(6, 4, s=8.0, m=0.3).double() for _ in seeds]
+    together = [_cnn(s, heads[i]) for i, s in enumerate(seeds)]
+    alone = [_cnn(s, ArcFaceLoss(6, 4, s=8.0, m=0.3).double()) for s in seeds]
+    for model, twin in zip(together, alone):
+        twin.load_state_dict(model.state_dict())
+    with warnings.catch_warnings():  # the head's hand-written backward has batching rules too
+        warnings.simplefilter("error", UserWarning)
+        fit_seeds(together, data, seeds=seeds, epochs=1, batch_size=32, device="cpu")
+    for model, twin, seed in zip(together, alone, seeds):
+        fit(twin, data, seed=seed, epochs=1, batch_size=32, device="cpu", progress=False)
+        # atol: a conv bias before BatchNorm has no gradient but rounding, and Adam scales that to whole steps
+        torch.testing.assert_close(_state(model), _state(twin), rtol=1e-9, atol=1e-9)
+
+    def feature_loss(model, x, y):  # a loss without logits: no accuracy is recorded
+        return model.backbone(x).pow(2).mean(), None
+
+    histories = fit_seeds(together, data, seeds=seeds, epochs=1, batch_size=32, device="cpu", loss_fn=feature_loss)
+    assert histories[0]["train_acc"] == [None] and histories[0]["train_loss"][0] > 0
+
+
+def test_a_step_launches_as_many_operations_for_four_seeds_as_for_two():
+    data = _data(n=32)
+
+    def one_epoch(n_seeds):  # an epoch of one step: two epochs' operations minus one's (stacking the state apart)
+        nets = [_cnn(s) for s in range(n_seeds)]
+        return [launches.count_ops(lambda: fit_seeds(nets, data, seeds=list(range(n_seeds)), epochs=epochs,
+                                                     batch_size=32, device="cpu")).total for epochs in (2, 1)]
+
+    two, four = (two_epochs - one_epoch_ for two_epochs, one_epoch_ in (one_epoch(2), one_epoch(4)))
+    alone = [launches.count_ops(lambda: fit(_cnn(0), data, seed=0, epochs=epochs, batch_size=32, device="cpu",
+                                            progress=False)).total for epochs in (2, 1)]
+    alone = alone[0] - alone[1]
+    # per extra seed only its data order is drawn and its batch cut (randperm and one index per tensor): no
+    # operation of the network, its loss or the optimiser is repeated (one seed alone takes a few views fewer)
+    assert four - two == 2 * 3, (two, four)
+    # vmap's batching rules add some (batched products for the linear layers, the loss's gather and scatter): four
+    # seeds' step takes 1.5 times one seed's operations (305 against 203 in torch 2.13), not four times
+    assert four < 1.6 * alone, (four, alone)
+
+
+def test_the_stacked_step_reads_nothing_on_the_host():
+    data, nets = _data(n=64), [_cnn(s) for s in (0, 1)]
+    fit_seeds(nets, data, seeds=[0, 1], epochs=1, batch_size=32, device="cpu")  # the epoch's end reads the losses
+    from sphereml.multiseed import _Objective, _stacked_step
+    from sphereml.train import default_loss
+
+    params, buffers = stack_state(nets)
+    step = _stacked_step(_Objective(nets[0], default_loss), [])
+    x = torch.stack([data.tensors[0][:16]] * 2)
+    y = torch.stack([data.tensors[1][:16]] * 2)
+    with launches.no_host_sync():
+        loss, logits = step(params, buffers, x, y)
+        loss.sum().backward()
+    assert loss.shape == (2,) and logits.shape == (2, 16, 4)
+
+
+def test_stack_and_unstack_round_trip_and_refuse_other_architectures():
+    nets = [_cnn(s) for s in (0, 1)]
+    params, buffers = stack_state(nets)
+    assert params["head.weight"].shape == (2, 4, 6) and params["head.weight"].requires_grad
+    assert buffers["backbone.body.1.running_var"].shape[0] == 2
+    copies = [_cnn(5), _cnn(6)]
+    unstack_state(copies, params, buffers)
+    for net, copy in zip(nets, copies):
+        torch.testing.assert_close(_state(net), _state(copy), rtol=0, atol=0)
+    wider = models.Classifier(models.plain_cnn(3, widths=(3, 4, 6), in_channels=1, image_size=8, feature_dim=6), 4)
+    with pytest.raises(ValueError, match="model 1 is not the architecture of model 0"):
+        stack_state([nets[0], wider.double()])
+    with pytest.raises(ValueError, match="model 1 is not the architecture"):
+        stack_state([nets[0], nn.Linear(2, 2)])
+    with pytest.raises(ValueError, match="at least one model"):
+        stack_state([])
+
+
+def test_a_layer_without_a_batching_rule_is_refused_by_name():
+    nets = [_cnn(s, body="SphereNet-3") for s in (0, 1)]
+    with pytest.raises(ValueError, match="hand-written backward without a vmap rule"):
+        fit_seeds(nets, _data(n=16), seeds=[0, 1], epochs=1, device="cpu")
+
+
+def test_bad_arguments_are_named():
+    nets, data = [_cnn(0), _cnn(1)], _data(n=16)
+    with pytest.raises(ValueError, match="one seed per model"):
+        fit_seeds(nets, data, seeds=[0], epochs=1, device="cpu")
+    with pytest.raises(ValueError, match="optimizer must be one of"):
+        fit_seeds(nets, data, seeds=[0, 1], epochs=1, optimizer="lbfgs", device="cpu")
+    with pytest.raises(ValueError, match="seed"):
+        fit_seeds(nets, data, seeds=[0, -1], epochs=1, device="cpu")
+    with pytest.raises(ValueError, match="batch_size"):
+        fit_seeds(nets, data, seeds=[0, 1], epochs=1, batch_size=0, device="cpu")
+    with pytest.raises(ValueError, match="lr"):
+        fit_seeds(nets, data, seeds=[0, 1], epochs=1, lr=0.0, device="cpu")
+
+
+@pytest.mark.needs_cuda
+def test_fit_seeds_on_cuda_matches_fit_seed_by_seed():
+    data, seeds = _data(n=256), [0, 1, 2]
+    data32 = TensorDataset(data.tensors[0].float(), data.tensors[1])
+    together, alone = [_cnn(s).float() for s in seeds], [_cnn(s).float() for s in seeds]
+    fit_seeds(together, data32, seeds=seeds, epochs=1, batch_size=64, device="cuda")
+    for model, twin, seed in zip(together, alone, seeds):
+        fit(twin, data32, seed=seed, epochs=1, batch_size=64, device="cuda", progress=False)
+        for name, value in _state(twin).items():  # float32, batched (grouped) kernels against single ones
+            torch.testing.assert_close(_state(model)[name], value, rtol=1e-3, atol=1e-4, msg=name)
