@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # The one command for a GPU box, from the repository root (no papermill, jupytext or internet needed):
 #
-#   bash benchmarks/gpu_check.sh [tests] [bench[:NAME,NAME...]] [scaling] [profile] [chapter:NAME|chapters]
+#   bash benchmarks/gpu_check.sh [tests] [bench[:NAME,NAME...]] [scaling] [profile]
+#                                [chapter:NAME|chapters|chapters-at-once]
 #
 # with no argument: tests and bench.  Each part has its own time limit and prints what failed by name:
 #   tests     the test suite on CUDA (pytest -n auto, every file whose packages a GPU box has, TEST_TIMEOUT 300 s
-#             per test where pytest-timeout is installed, one thread per worker); failing node ids
+#             per test where pytest-timeout is installed, one thread per worker, work stealing, no ruff
+#             test: SPHEREML_NO_DEV_TOOLS=1); each test's duration in $OUT/durations.txt; failing node ids
 #             in $OUT/failures.txt, their messages in $OUT/failure-messages.txt as they happen (so a suite
 #             stopped by its limit still says why), the whole log in $OUT/tests.txt     (TESTS_LIMIT, 240 s)
 #   bench     every benchmark on CUDA but the energy's scaling study (or the listed ones) (BENCH_LIMIT, 240 s)
@@ -59,6 +61,7 @@ for part in "${PARTS[@]}"; do
       : > "$OUT/durations.txt"
       OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} MKL_NUM_THREADS=${MKL_NUM_THREADS:-1} \
         SPHEREML_FAILURE_LOG="$OUT/failure-messages.txt" SPHEREML_DURATION_LOG="$OUT/durations.txt" \
+        SPHEREML_NO_DEV_TOOLS=1 \
         step tests "${TESTS_LIMIT:-240}" $PY -m pytest -n "${WORKERS:-auto}" "${dist[@]}" -v -p no:cacheprovider \
         "${timeout[@]}" \
         --continue-on-collection-errors --ignore=tests/test_book.py --ignore=tests/test_notebooks.py \

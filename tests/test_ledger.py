@@ -105,19 +105,6 @@ def test_render_marks_missing_profiles_and_collect_rejects_bad_records(tmp_path)
     assert page.count("verdict (gpu)") == 3  # the heading and the two rows' phone labels
     assert page.count(">not run<") == 4  # ours and verdict: z has no gpu run, y no cpu run
     assert "changed from" not in page and "change with scale" not in page  # no claim was run in both
-
-
-def test_render_marks_verdicts_that_change_with_scale(tmp_path):
-    cpu = [_claim("same"), _claim("moved", "not distinguishable"), _claim("cpu only")]
-    gpu = [_claim("same"), _claim("moved", "holds"), _claim("gpu only", "does not hold")]
-    snapshot = ledger.collect([_metrics(tmp_path, "04_d", "cpu", cpu), _metrics(tmp_path / "g", "04_d", "gpu", gpu)])
-    page = ledger.render(snapshot)
-    assert "- Verdicts that change with scale: 1 of the 2 claims run in both `cpu` and `gpu`" in page
-    rows = {re.search(r'#([^"]+)">', row).group(1): row for row in page.split("\n") if row.startswith("<tr")}
-    moved = [row for anchor, row in rows.items() if "moved" in anchor]
-    assert len(moved) == 1 and moved[0].startswith('<tr class="scale-change">')
-    assert moved[0].count("changed from cpu") == 1
-    assert sum("changed from" in row for row in rows.values()) == 1  # same verdict, or one profile only: no mark
     bad = _metrics(tmp_path / "bad", "03_c", "cpu", [_claim("w", verdict="maybe")])
     with pytest.raises(ValueError, match="valid verdict"):
         ledger.collect([bad])
@@ -129,3 +116,18 @@ def test_render_marks_verdicts_that_change_with_scale(tmp_path):
     unsorted["kind"] = "speed"
     with pytest.raises(ValueError, match="kind"):
         ledger.collect([_metrics(tmp_path / "nk", "03_c", "cpu", [unsorted])])
+
+
+def test_render_marks_verdicts_that_change_with_scale(tmp_path):
+    cpu = [_claim("same"), _claim("moved", "not distinguishable"), _claim("cpu only"), _claim("skips gpu")]
+    gpu = [_claim("same"), _claim("moved", "holds"), _claim("gpu only", "does not hold")]
+    paper = [_claim("skips gpu", "does not hold")]
+    snapshot = ledger.collect([_metrics(tmp_path, "04_d", "cpu", cpu), _metrics(tmp_path / "g", "04_d", "gpu", gpu),
+                               _metrics(tmp_path / "p", "04_d", "paper", paper)])
+    page = ledger.render(snapshot)
+    assert "- Verdicts that change with scale: 2 of the 3 claims run in more than one profile" in page
+    rows = {re.search(r'#([^"]+)">', row).group(1): row for row in page.split("\n") if row.startswith("<tr")}
+    marked = {anchor: row for anchor, row in rows.items() if "changed from" in row}
+    assert len(marked) == 2 and all(row.startswith('<tr class="scale-change">') for row in marked.values())
+    assert [row.count("changed from cpu") for row in marked.values()] == [1, 1]  # gpu's and paper's verdicts
+    assert any("moved" in anchor for anchor in marked) and any("skips" in anchor for anchor in marked)

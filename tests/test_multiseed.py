@@ -9,9 +9,9 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from sphereml import launches, models
-from sphereml.heads import ArcFaceLoss
+from sphereml.heads import ArcFaceLoss, ASoftmaxLoss, LambdaSchedule
 from sphereml.multiseed import fit_seeds, stack_state, unstack_state
-from sphereml.train import fit
+from sphereml.train import evaluate, fit
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -140,6 +140,40 @@ def test_stack_and_unstack_round_trip_and_refuse_other_architectures():
         stack_state([])
 
 
+def test_an_annealed_margin_head_keeps_its_schedule_in_every_seed():
+    """A-Softmax's lambda follows a step counter kept on the host beside its buffer; only the first model's forward
+    runs, so the others' host copies must follow their buffers when the state is written back."""
+    data, seeds = _data(seed=2), [0, 1]
+
+    def net(seed):
+        return _cnn(seed, ASoftmaxLoss(6, 4, m=4, lambda_=LambdaSchedule(base=100.0, gamma=0.5)).double())
+
+    together, alone = [net(s) for s in seeds], [net(s) for s in seeds]
+    for model, twin in zip(together, alone):  # the head is drawn before _cnn seeds the generator
+        twin.load_state_dict(model.state_dict())
+    fit_seeds(together, data, seeds=seeds, epochs=2, batch_size=32, optimizer="sgd", lr=0.05, device="cpu")
+    for model, twin, seed in zip(together, alone, seeds):
+        fit(twin, data, seed=seed, epochs=2, batch_size=32, optimizer="sgd", lr=0.05, device="cpu", progress=False)
+        assert model.head.schedule._step == twin.head.schedule._step == 6  # 3 batches x 2 epochs
+        assert model.head.schedule.value() == twin.head.schedule.value()
+        torch.testing.assert_close(evaluate(model, data, device="cpu")["loss"],
+                                   evaluate(twin, data, device="cpu")["loss"], rtol=1e-9, atol=0)
+
+
+def test_no_epoch_changes_nothing_and_other_configurations_are_refused():
+    nets = [_cnn(0), _cnn(1)]
+    before = [_state(n) for n in nets]
+    assert [h.epochs for h in fit_seeds(nets, _data(n=16), seeds=[0, 1], epochs=0, device="cpu")] == [[], []]
+    for net, state in zip(nets, before):
+        torch.testing.assert_close(_state(net), state, rtol=0, atol=0)
+    heads = [_cnn(s, ArcFaceLoss(6, 4, s=8.0, m=m).double()) for s, m in ((0, 0.3), (1, 0.5))]
+    with pytest.raises(ValueError, match="type, configuration"):  # same shapes, another margin
+        fit_seeds(heads, _data(n=16), seeds=[0, 1], epochs=1, device="cpu")
+    single = _cnn(2).float()
+    with pytest.raises(ValueError, match="dtypes"):
+        fit_seeds([nets[0], single], _data(n=16), seeds=[0, 1], epochs=1, device="cpu")
+
+
 def test_a_layer_without_a_batching_rule_is_refused_by_name():
     nets = [_cnn(s, body="SphereNet-3") for s in (0, 1)]
     with pytest.raises(ValueError, match="hand-written backward without a vmap rule"):
@@ -165,8 +199,9 @@ def test_fit_seeds_on_cuda_matches_fit_seed_by_seed():
     data, seeds = _data(n=256), [0, 1, 2]
     data32 = TensorDataset(data.tensors[0].float(), data.tensors[1])
     together, alone = [_cnn(s).float() for s in seeds], [_cnn(s).float() for s in seeds]
-    fit_seeds(together, data32, seeds=seeds, epochs=1, batch_size=64, device="cuda")
+    settings = dict(epochs=1, batch_size=64, optimizer="sgd", lr=0.01, momentum=0.0, device="cuda")
+    fit_seeds(together, data32, seeds=seeds, **settings)  # SGD: Adam would turn rounding-only gradients into steps
     for model, twin, seed in zip(together, alone, seeds):
-        fit(twin, data32, seed=seed, epochs=1, batch_size=64, device="cuda", progress=False)
-        for name, value in _state(twin).items():  # float32, batched (grouped) kernels against single ones
+        fit(twin, data32, seed=seed, progress=False, **settings)
+        for name, value in _state(twin).items():  # float32 (TF32 convolutions), batched kernels against single ones
             torch.testing.assert_close(_state(model)[name], value, rtol=1e-3, atol=1e-4, msg=name)

@@ -19,7 +19,8 @@ what would couple or serialise the seeds: regularisers, callbacks, per-epoch val
 layers (dropout draws its noise per seed, but not from ``fit``'s stream).  Every operation needs a batching rule:
 PyTorch's layers and losses have them, and so has the margin heads' weight-normalised product
 (:class:`~sphereml.heads.margin_ce.WeightNormalizedLinear`); the patch layers' and angular functions' hand-written
-backward passes (SphereConv, SCS, the decoupled operators) do not yet, and such a network is refused by name.
+backward passes (SphereConv, SCS, the decoupled operators, GA-Softmax's angular head) and the fused margin
+cross-entropy of a GPU (``SPHEREML_FUSED=1``) do not yet, and such a network is refused by name.
 """
 
 from __future__ import annotations
@@ -40,21 +41,33 @@ __all__ = ["fit_seeds", "stack_state", "unstack_state"]
 OPTIMIZERS = ("sgd", "adam")
 
 
+def _check_same_architecture(models: Sequence[nn.Module]) -> None:
+    """Models that differ only in their values: type, configuration (``repr``), parameter and buffer names, shapes,
+    dtypes and ``requires_grad``.  Only the first model's forward runs (with every seed's values), so anything else
+    that differed would be silently ignored."""
+    if not models:
+        raise ValueError("fit_seeds needs at least one model")
+
+    def layout(model):
+        return (type(model), repr(model), [(n, t.shape, t.dtype, t.requires_grad)
+                                           for n, t in (*model.named_parameters(), *model.named_buffers())])
+
+    first = layout(models[0])
+    for i, model in enumerate(models[1:], 1):
+        if layout(model) != first:
+            raise ValueError(f"model {i} is not the architecture of model 0 (type, configuration, or parameter "
+                             "names, shapes, dtypes or requires_grad differ)")
+
+
 def stack_state(models: Sequence[nn.Module]) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
     """The models' parameters and buffers stacked along a new first dimension: ``(params, buffers)``, each a dict by
     name.  A parameter is a new leaf that requires grad where the first model's does.
 
     Raises:
-        ValueError: no model, or models whose parameters or buffers differ in names or shapes.
+        ValueError: no model, or models that are not one architecture (:func:`fit_seeds`).
     """
-    if not models:
-        raise ValueError("stack_state needs at least one model")
+    _check_same_architecture(models)
     first = models[0]
-    layout = [(n, t.shape) for n, t in (*first.named_parameters(), *first.named_buffers())]
-    for i, model in enumerate(models[1:], 1):
-        other = [(n, t.shape) for n, t in (*model.named_parameters(), *model.named_buffers())]
-        if type(model) is not type(first) or other != layout:
-            raise ValueError(f"model {i} is not the architecture of model 0 (type, parameter names or shapes differ)")
     params = {n: torch.stack([m.get_parameter(n).detach() for m in models]).requires_grad_(p.requires_grad)
               for n, p in first.named_parameters()}
     buffers = {n: torch.stack([m.get_buffer(n) for m in models]) for n, _ in first.named_buffers()}
@@ -62,12 +75,17 @@ def stack_state(models: Sequence[nn.Module]) -> tuple[dict[str, Tensor], dict[st
 
 
 def unstack_state(models: Sequence[nn.Module], params: dict[str, Tensor], buffers: dict[str, Tensor]) -> None:
-    """Copy slice ``i`` of the stacked ``params`` and ``buffers`` into ``models[i]``, in place."""
-    with torch.no_grad():
-        for i, model in enumerate(models):
-            for name, value in (*params.items(), *buffers.items()):
-                target = model.get_parameter(name) if name in params else model.get_buffer(name)
-                target.copy_(value[i])
+    """Load slice ``i`` of the stacked ``params`` and ``buffers`` into ``models[i]``: through ``load_state_dict``, so
+    that a module's host-side copy of a buffer (a margin head's :class:`~sphereml.heads.schedules.LambdaSchedule`
+    step) follows; non-persistent buffers are copied."""
+    stacked = {**params, **buffers}
+    for i, model in enumerate(models):
+        persistent = model.state_dict().keys()
+        model.load_state_dict({name: value[i] for name, value in stacked.items() if name in persistent})
+        with torch.no_grad():
+            for name, value in buffers.items():
+                if name not in persistent:
+                    model.get_buffer(name).copy_(value[i])
 
 
 class _Objective(nn.Module):
@@ -115,6 +133,7 @@ def fit_seeds(models: Sequence[nn.Module], train_data: Dataset, *, seeds: Sequen
         ValueError: no model, a number of seeds that is not the number of models, models of different
             architectures, an optimiser other than ``"sgd"`` or ``"adam"``, or a bad size or rate.
     """
+    _check_same_architecture(models)
     if len(models) != len(seeds):
         raise ValueError(f"fit_seeds needs one seed per model, got {len(models)} models and {len(seeds)} seeds")
     for seed in seeds:
@@ -122,11 +141,11 @@ def fit_seeds(models: Sequence[nn.Module], train_data: Dataset, *, seeds: Sequen
     integer("epochs", epochs, at_least=0)
     integer("batch_size", batch_size, at_least=1)
     real_number("lr", lr, above=0.0)
-    dev = resolve_device(device)
-    for model in models:
-        model.to(dev).train()
     if optimizer not in OPTIMIZERS:  # a callable's update may mix elements, and so seeds
         raise ValueError(f"optimizer must be one of {OPTIMIZERS} (element-wise, so one per seed), got {optimizer!r}")
+    dev = resolve_device(device)
+    for model in models:
+        model.to(dev)
     params, buffers = stack_state(models)
     trainable = [p for p in params.values() if p.requires_grad]
     opt = make_optimizer(optimizer, trainable, lr, weight_decay, momentum)
@@ -138,6 +157,8 @@ def fit_seeds(models: Sequence[nn.Module], train_data: Dataset, *, seeds: Sequen
     histories = [History() for _ in models]
     for epoch in range(epochs):
         t0 = time.perf_counter()
+        for model in models:
+            model.train()  # as fit: the first model's forward runs, the others' mode follows it
         losses, sizes, correct = [], [], torch.zeros(len(models), dtype=torch.long, device=dev)
         orders = [torch.Generator().manual_seed(seed * 1_000_003 + epoch) for seed in seeds]  # as fit draws them
         for per_seed in zip(*(batches(train_data, batch_size, True, order) for order in orders)):
@@ -148,8 +169,9 @@ def fit_seeds(models: Sequence[nn.Module], train_data: Dataset, *, seeds: Sequen
                 if "setup_context" not in str(error):
                     raise
                 raise ValueError("fit_seeds cannot batch this network: one of its layers has a hand-written "
-                                 "backward without a vmap rule (SphereConv, SCS and the decoupled operators' "
-                                 "patch epilogue, the angular functions); train its seeds with fit") from error
+                                 "backward without a vmap rule (SphereConv, SCS, the decoupled operators, the "
+                                 "angular functions, a fused margin cross-entropy); train its seeds with fit"
+                                 ) from error
             opt.zero_grad(set_to_none=True)
             loss.sum().backward()  # the seeds do not interact: each slice gets its own loss's gradient
             opt.step()

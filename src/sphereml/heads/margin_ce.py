@@ -40,7 +40,8 @@ __all__ = ["WeightNormalizedLinear", "weight_normalized_linear", "margin_cross_e
 
 
 class WeightNormalizedLinear(torch.autograd.Function):
-    """x W_hat^T with W_hat_j = W_j / max(||W_j||, eps), with a hand-written backward.
+    """x W_hat^T with W_hat_j = W_j / max(||W_j||, eps), with a hand-written backward.  ``apply`` returns the product
+    and two tensors the backward keeps; :func:`weight_normalized_linear` returns the product only.
 
     Forward scales the columns of x W^T (B x C values) instead of normalising the C x d
     weight.  Backward, with g'_bj = g_bj / ||W_j||:  dx = g' W and
