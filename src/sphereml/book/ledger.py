@@ -22,7 +22,7 @@ import os
 from pathlib import Path
 
 from .chapter import CLAIM_KINDS, PROFILES
-from .report import LEDGER_PROFILES, ledger_table
+from .report import LEDGER_PROFILES, claim_records, ledger_table, scale_changes
 from .verdicts import VERDICTS
 
 __all__ = ["LABELS", "collect", "render", "load_snapshot"]
@@ -87,16 +87,14 @@ def _summary(snapshot: dict) -> list[str]:
 
 def _scale_changes(snapshot: dict) -> list[str]:
     """How many claims run in more than one profile change their verdict from one profile to the next that ran them
-    (the rows the table marks "changed from ...")."""
+    (the rows the table marks "changed from ...", :func:`~sphereml.book.report.scale_changes`)."""
     several = changed = 0
     for runs in snapshot["chapters"].values():
-        verdicts = {}  # claim id -> its verdicts in profile order
-        for profile in LEDGER_PROFILES:
-            for record in runs.get(profile, {}).get("claims", []):
-                verdicts.setdefault(record["id"], []).append(record["verdict"])
-        sequences = [v for v in verdicts.values() if len(v) > 1]
-        several += len(sequences)
-        changed += sum(any(a != b for a, b in zip(v, v[1:])) for v in sequences)
+        ids = dict.fromkeys(r["id"] for p in LEDGER_PROFILES for r in runs.get(p, {}).get("claims", []))
+        for claim_id in ids:
+            records = claim_records(runs, claim_id)
+            several += sum(r is not None for r in records.values()) > 1
+            changed += bool(scale_changes(records))
     if not several:
         return []
     return [f"- Verdicts that change with scale: {changed} of the {several} claims run in more than one profile "

@@ -171,10 +171,27 @@ class VerdictTable:
         return "\n".join(f"- [{r['verdict']}] {r['statement']} ({r['source']})" for r in self.records)
 
 
+def claim_records(runs: dict, claim_id: str, profiles: tuple[str, ...] = LEDGER_PROFILES) -> dict:
+    """One claim's record in each profile of a chapter's ledger entry (None where that profile did not run it)."""
+    return {p: next((r for r in runs.get(p, {}).get("claims", []) if r["id"] == claim_id), None) for p in profiles}
+
+
+def scale_changes(records: dict) -> dict[str, str]:
+    """For one claim's records by profile (in ledger order, None where not run): each profile whose verdict differs
+    from the one of the last smaller profile that ran the claim, mapped to that smaller profile."""
+    changes, previous = {}, None
+    for profile, record in records.items():
+        if record is None:
+            continue
+        if previous is not None and record["verdict"] != previous[1]["verdict"]:
+            changes[profile] = previous[0]
+        previous = (profile, record)
+    return changes
+
+
 def _ledger_row(chapter: str, number: str, runs: dict, claim_id: str, profiles: tuple[str, ...]) -> str:
     e = html.escape
-    records = {p: next((r for r in runs.get(p, {}).get("claims", []) if r["id"] == claim_id), None)
-               for p in profiles}
+    records = claim_records(runs, claim_id, profiles)
     record = next(r for r in records.values() if r is not None)
     link = f"../notebooks/{chapter}.html#{claim_anchor(claim_id)}"
     cells = [f'<td data-label="chapter" data-sort="{e(chapter)}">{e(number)}</td>',
@@ -182,17 +199,14 @@ def _ledger_row(chapter: str, number: str, runs: dict, claim_id: str, profiles: 
              f'<td data-label="kind">{e(record["kind"])}</td>',
              f'<td data-label="source">{e(record["source"])}</td>',
              f'<td data-label="source\'s value">{e(describe(record["paper"]))}</td>']
-    changed, previous = False, None  # a verdict that differs from the smaller profile's before it: scale matters
+    changes = scale_changes(records)  # a verdict that differs from a smaller profile's: scale matters
     for profile in profiles:
         found = records[profile]
-        change = ""
-        if found and previous and found["verdict"] != previous[1]["verdict"]:
-            change, changed = f' <span class="scale-change">changed from {previous[0]}</span>', True
+        change = f' <span class="scale-change">changed from {changes[profile]}</span>' if profile in changes else ""
         cells.append(f'<td data-label="ours ({profile})">{e(ours_text(found)) if found else "not run"}</td>')
         cells.append(f'<td data-label="verdict ({profile})" data-sort="{found["verdict"] if found else "~"}">'
                      f'{badge(found["verdict"]) + change if found else "not run"}</td>')
-        previous = (profile, found) if found else previous
-    return ('<tr class="scale-change">' if changed else "<tr>") + "".join(cells) + "</tr>"
+    return ('<tr class="scale-change">' if changes else "<tr>") + "".join(cells) + "</tr>"
 
 
 def ledger_table(snapshot: dict) -> str:
