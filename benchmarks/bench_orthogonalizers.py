@@ -3,10 +3,9 @@
 CNN-6 (thesis Table F.1, width 64) over-parameterises seven layers with d x d rotations, d = 27, 576 (five
 times) and 1024; one candidate maps all seven raw matrices (one call per layer, as
 :mod:`sphereml.regularizers.opt` does) and back-propagates a fixed linear function of the results.  The
-baseline is the QR path of ``gs`` and ``householder``.  Beside the library's maps, two ways to the same
-Gram-Schmidt rows that the library does not use (Cholesky-QR in float64, once and twice: Q = L^-1 U with
-L L^T = U U^T) show what a GPU would gain from them; ``benchmarks/results/logs/gpu-check-4-h200.txt`` holds a
-first H200 run of the same maps.
+baseline is the Householder QR (LAPACK's, cuSOLVER's) that ``gs`` and ``householder`` take on the CPU; off the
+CPU they take the Cholesky form in float64 (Note [Gram-Schmidt on a GPU]) and ``lowdin`` the eigendecomposition
+(Note [Löwdin on a GPU]).  ``benchmarks/results/logs/gpu-check-4-h200.txt`` holds the H200 run that chose both.
 """
 
 from __future__ import annotations
@@ -22,23 +21,13 @@ from .harness import compare, smoke_or
 DIMS = (27, 576, 576, 576, 576, 576, 1024)  # CNN-6, width 64: conv1 (3 x 3 x 3), conv2-6 (64 x 3 x 3), fc (1024)
 
 
-def cholesky_qr(u: torch.Tensor, passes: int = 1) -> torch.Tensor:
-    """Rows of U orthonormalised as Gram-Schmidt would (positive diagonal), by Cholesky of U U^T in float64."""
-    q = u.to(torch.float64)
-    for _ in range(passes):
-        lower = torch.linalg.cholesky_ex(q @ q.mT)[0]
-        q = torch.linalg.solve_triangular(lower, q, upper=False)
-    return q.to(u.dtype)
-
-
 MAPS = {
-    "qr (gs, householder)": orth.qr_orthogonalize,
+    "qr (gs, householder)": orth.qr_lapack,
+    "cholesky-qr f64 (gs off the cpu)": orth.cholesky_qr,
     "lowdin (svd)": orth.lowdin_svd,
     "lowdin (eigh, float64)": orth.lowdin_eigh,
     "cayley": lambda u: orth.cayley(orth.skew(u)),
     "matrix_exp": lambda u: orth.exp_map(orth.skew(u)),
-    "cholesky-qr f64 (unused)": cholesky_qr,
-    "cholesky-qr2 f64 (unused)": lambda u: cholesky_qr(u, 2),
 }
 
 

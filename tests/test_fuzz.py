@@ -279,6 +279,7 @@ SQUARE_FUNCTIONS = {
     "gram_schmidt modified": lambda u: orthogonalizers.gram_schmidt(u, modified=True),
     "householder": orthogonalizers.householder,
     "qr_orthogonalize": orthogonalizers.qr_orthogonalize,
+    "cholesky_qr": orthogonalizers.cholesky_qr,
     "lowdin": orthogonalizers.lowdin,
     "cayley": lambda a: orthogonalizers.cayley(orthogonalizers.skew(a)),
     "exp_map": lambda a: orthogonalizers.exp_map(orthogonalizers.skew(a)),

@@ -7,6 +7,7 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrizations
 
+from sphereml.launches import no_host_sync
 from sphereml.regularizers import orthogonalizers as orth
 
 MAPS = {
@@ -15,6 +16,8 @@ MAPS = {
     "gs_modified": lambda u: orth.gram_schmidt(u, modified=True),
     "householder": orth.householder,
     "householder_qr": lambda u: orth.qr_orthogonalize(u, rows=False),
+    "gs_cholesky": orth.cholesky_qr,
+    "householder_cholesky": lambda u: orth.cholesky_qr(u, rows=False),
     "lowdin": orth.lowdin,
     "lowdin_eigh": orth.lowdin_eigh,
     "cayley": lambda u: orth.cayley(orth.skew(u)),
@@ -126,6 +129,81 @@ def test_lowdin_takes_the_eigendecomposition_off_the_cpu(monkeypatch):
     assert calls == ["meta"]
 
 
+@pytest.mark.parametrize("rows", [True, False])
+@pytest.mark.parametrize("condition", [10.0, 1e3, 1e4])
+def test_cholesky_qr_is_the_qr_map_in_values_and_gradients(condition, rows):
+    """The GPU path of Gram-Schmidt and Householder (Cholesky of U U^T in float64) against LAPACK's QR, on input
+    with a set condition number, up to the 1e4 of Note [Gram-Schmidt on a GPU]."""
+    q1, q2 = orth.qr_orthogonalize(_raw(2, 9, 9)), orth.qr_orthogonalize(_raw(2, 9, 9, seed=1))
+    u = (q1 * torch.logspace(0, -math.log10(condition), 9, dtype=torch.float64)) @ q2
+    fast = orth.cholesky_qr(u.float(), rows)
+    assert fast.dtype == torch.float32
+    exact = orth.qr_lapack(u.float().double(), rows)  # the QR in float64 of the same float32 input
+    torch.testing.assert_close(fast.double(), exact, atol=1e-7, rtol=0)
+    weights = _raw(2, 9, 9, seed=2)
+    grads = []
+    for fn in (orth.qr_lapack, orth.cholesky_qr):
+        x = u.clone().requires_grad_(True)
+        (fn(x, rows) * weights).sum().backward()
+        grads.append(x.grad)
+    # forming U U^T squares the condition number: float64's 2.2e-16 grows to about 2.2e-16 * condition^2
+    assert float((grads[1] - grads[0]).norm() / grads[0].norm()) < 1e-15 * condition ** 2
+
+
+@pytest.mark.parametrize("condition,factor", [(1e5, 10.0), (1e6, 1.0)])
+def test_cholesky_qr_beyond_its_range_is_still_closer_than_a_float32_qr(condition, factor):
+    """What a GPU computed before (cuSOLVER's QR in float32) is the bar for ill-conditioned rotations."""
+    q1, q2 = orth.qr_orthogonalize(_raw(9, 9)), orth.qr_orthogonalize(_raw(9, 9, seed=1))
+    u = ((q1 * torch.logspace(0, -math.log10(condition), 9, dtype=torch.float64)) @ q2).float()
+    exact = orth.qr_lapack(u.double())
+    errors = [float((q.double() - exact).abs().max()) for q in (orth.cholesky_qr(u), orth.qr_lapack(u))]
+    assert errors[0] < errors[1] / factor, errors
+
+
+def test_cholesky_qr_is_finite_on_singular_input_and_reads_nothing_on_the_host():
+    u = _raw(3, 6, 6).float()
+    u[0, 2] = 0.0  # a zero row stays zero
+    u[1, 4] = u[1, 3]  # two equal rows
+    u[2] = 0.0
+    u.requires_grad_(True)
+    with no_host_sync():
+        out = orth.cholesky_qr(u)
+        out.sum().backward()
+    out = out.detach()
+    assert torch.isfinite(out).all() and torch.isfinite(u.grad).all()
+    assert float(out[0, 2].abs().max()) == 0.0 and float(out[2].abs().max()) == 0.0
+    kept = [0, 1, 3, 4, 5]  # the other rows of a singular matrix are still orthonormal
+    gram = out[0, kept] @ out[0, kept].mT
+    torch.testing.assert_close(gram, torch.eye(5), atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("rows", [True, False])
+def test_cholesky_qr_compiles_as_one_graph(rows):
+    torch._dynamo.reset()
+    u = _raw(3, 7, 7).float().requires_grad_(True)
+    compiled = torch.compile(orth.cholesky_qr, fullgraph=True, backend="aot_eager")
+    out = compiled(u, rows)
+    out.square().sum().backward()
+    torch.testing.assert_close(out, orth.cholesky_qr(u, rows))
+
+
+@pytest.mark.needs_cuda
+def test_gram_schmidt_on_a_gpu_is_the_cpu_map():
+    """OPT's gs and householder on CUDA (the Cholesky form) against LAPACK's QR of the same float32 input."""
+    u = _raw(3, 64, 64).float()
+    for rows in (True, False):
+        gpu = orth.qr_orthogonalize(u.cuda(), rows).cpu()
+        torch.testing.assert_close(gpu.double(), orth.qr_lapack(u.double(), rows), atol=1e-6, rtol=0)
+
+
+def test_qr_orthogonalize_takes_the_cholesky_form_off_the_cpu(monkeypatch):
+    calls = []
+    monkeypatch.setattr(orth, "cholesky_qr", lambda u, rows: calls.append((u.device.type, rows)) or u)
+    orth.qr_orthogonalize(_raw(4, 4))
+    orth.qr_orthogonalize(torch.empty(4, 4, device="meta"), rows=False)
+    assert calls == [("meta", False)]
+
+
 def test_idempotence_on_orthogonal_input():
     q = orth.qr_orthogonalize(_raw(7, 7))  # rows from Gram-Schmidt: the positive-diagonal convention
     torch.testing.assert_close(orth.lowdin(q), q)
@@ -158,8 +236,8 @@ def test_cayley_matches_pytorch_parametrization():
     torch.testing.assert_close(orth.cayley(orth.skew(raw)), layer.weight.detach())
 
 
-@pytest.mark.parametrize("name", ["gs_qr", "gs_classic", "householder", "lowdin", "lowdin_eigh", "cayley",
-                                  "matrix_exp"])
+@pytest.mark.parametrize("name", ["gs_qr", "gs_classic", "gs_cholesky", "householder", "householder_cholesky",
+                                  "lowdin", "lowdin_eigh", "cayley", "matrix_exp"])
 def test_gradients_match_finite_differences(name):
     u = (_raw(5, 5) + 3 * torch.eye(5, dtype=torch.float64)).requires_grad_(True)  # well conditioned
     assert torch.autograd.gradcheck(MAPS[name], (u,))
