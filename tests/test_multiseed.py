@@ -2,6 +2,7 @@
 (Note [fit_seeds is fit, seed by seed]), with one step's launches independent of the number of seeds."""
 
 import warnings
+from functools import partial
 
 import pytest
 import torch
@@ -10,6 +11,7 @@ from torch.utils.data import TensorDataset
 
 from sphereml import launches, models
 from sphereml.heads import ArcFaceLoss, ASoftmaxLoss, LambdaSchedule
+from sphereml.layers.decoupled import DecoupledConv2d
 from sphereml.multiseed import fit_seeds, stack_state, unstack_state
 from sphereml.train import evaluate, fit
 
@@ -25,9 +27,15 @@ def _data(n=96, side=8, classes=4, seed=0):
 BODIES = {  # each on 1 x 8 x 8 inputs
     "CNN-3 with BatchNorm": lambda: models.plain_cnn(3, widths=(3, 4, 5), in_channels=1, image_size=8, feature_dim=6),
     "ConvNet, PReLU": lambda: models.ConvNet(1, 6, (3, 4), image_size=8, act_layer="prelu"),
-    "SphereNet-3": lambda: models.spherenet(3, widths=(3, 4, 5), in_channels=1, image_size=8, feature_dim=6),
+    "SphereNet-3, linear": lambda: models.spherenet(3, "linear", widths=(3, 4, 5), in_channels=1, image_size=8,
+                                                    feature_dim=6),
+    "SphereNet-3, sigmoid with learned k": lambda: models.spherenet(3, "sigmoid", learnable_k=True, widths=(3, 4, 5),
+                                                                    in_channels=1, image_size=8, feature_dim=6),
+    "SCS, learned p and q": lambda: models.scs_net((3, 4), in_channels=1, image_size=8),
+    "decoupled TanhConv x sigmoid, radius norm": lambda: models.ConvNet(
+        1, 6, (3, 4), image_size=8, conv_layer=partial(DecoupledConv2d, angular="sigmoid", radius_norm=True)),
 }
-BATCHED = ["CNN-3 with BatchNorm", "ConvNet, PReLU"]  # what fit_seeds can batch today
+BATCHED = list(BODIES)  # what fit_seeds can batch
 
 
 def _cnn(seed, head=None, body="CNN-3 with BatchNorm"):
@@ -174,8 +182,28 @@ def test_no_epoch_changes_nothing_and_other_configurations_are_refused():
         fit_seeds([nets[0], single], _data(n=16), seeds=[0, 1], epochs=1, device="cpu")
 
 
+class _OldStyleSquare(torch.autograd.Function):
+    """A hand-written backward in the form torch.func cannot batch (forward takes ctx)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x * x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return 2 * ctx.saved_tensors[0] * grad
+
+
+class _Squared(nn.Module):
+    def forward(self, x):
+        return _OldStyleSquare.apply(x)
+
+
 def test_a_layer_without_a_batching_rule_is_refused_by_name():
-    nets = [_cnn(s, body="SphereNet-3") for s in (0, 1)]
+    nets = [_cnn(s) for s in (0, 1)]
+    for net in nets:
+        net.backbone = nn.Sequential(_Squared(), net.backbone)
     with pytest.raises(ValueError, match="hand-written backward without a vmap rule"):
         fit_seeds(nets, _data(n=16), seeds=[0, 1], epochs=1, device="cpu")
 

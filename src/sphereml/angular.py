@@ -96,11 +96,15 @@ def inverse_sine(cos: Tensor) -> Tensor:
 class _Arccos(torch.autograd.Function):
     """arccos(c) on [-1, 1] with the derivative floored at the poles: Note [angle for linear and sigmoid]."""
 
+    generate_vmap_rule = True  # several seeds at once (sphereml.multiseed)
+
     @staticmethod
-    def forward(ctx, cos: Tensor) -> Tensor:
-        cos = cos.clamp(-1.0, 1.0)
-        ctx.save_for_backward(cos)
-        return torch.arccos(cos)
+    def forward(cos: Tensor) -> Tensor:
+        return torch.arccos(cos.clamp(-1.0, 1.0))
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(inputs[0])  # inverse_sine floors 1 - c^2 beyond the poles as at them: no clamp
 
     @staticmethod
     def backward(ctx, grad: Tensor) -> Tensor:
@@ -124,11 +128,15 @@ class _LinearFromCos(torch.autograd.Function):
     (``benchmarks/bench_sphereconv.py``).
     """
 
+    generate_vmap_rule = True
+
     @staticmethod
-    def forward(ctx, cos: Tensor) -> Tensor:
-        cos = cos.clamp(-1.0, 1.0)
-        ctx.save_for_backward(cos)
-        return 1.0 - torch.arccos(cos) * (2.0 / math.pi)  # out of place: see patches._DivideByPatchNorm
+    def forward(cos: Tensor) -> Tensor:
+        return 1.0 - torch.arccos(cos.clamp(-1.0, 1.0)) * (2.0 / math.pi)  # out of place: see _DivideByPatchNorm
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(inputs[0])
 
     @staticmethod
     def backward(ctx, grad: Tensor) -> Tensor:
@@ -145,29 +153,40 @@ class _SigmoidFromCos(torch.autograd.Function):
         dg/dc = sech^2(u) / (2k T sin(theta)),
         dg/dk = -sech^2(u) u / (k T) + tanh(u) (1 - T^2) pi / (4 k^2 T^2)   (summed over the broadcast axes).
 
-    u is saved only when k needs a gradient.  Against autograd through :func:`angular_function`:
-    1.6x -> 1.35-1.55x of ``nn.Conv2d`` for a fixed k, 1.8-2.0x -> about 1.6x for a learned one
-    (``benchmarks/bench_sphereconv.py``).  The output itself is not saved: a following in-place
+    u is saved only when k is a tensor (which may need a gradient).  Against autograd through
+    :func:`angular_function`: 1.6x -> 1.35-1.55x of ``nn.Conv2d`` for a fixed k, 1.8-2.0x -> about 1.6x for
+    a learned one (``benchmarks/bench_sphereconv.py``).  The output itself is not saved: a following in-place
     ReLU may modify it.
     """
 
-    @staticmethod
-    def forward(ctx, cos: Tensor, k: Tensor | float) -> Tensor:
-        cos = cos.clamp(-1.0, 1.0)
-        u = torch.arccos(cos).sub_(math.pi / 2.0).neg_().div_(2.0 * k)  # (pi/2 - theta) / 2k
-        keep_u = ctx.needs_input_grad[1]
-        th = torch.tanh(u) if keep_u else u.tanh_()
-        if isinstance(k, Tensor):
-            t = torch.tanh(math.pi / (4.0 * k))
-            ctx.save_for_backward(cos, th, u if keep_u else None, k, t)
-        else:
-            t = math.tanh(math.pi / (4.0 * k))
-            ctx.save_for_backward(cos, th, None)
-            ctx.numbers = (k, t)
-        return th / t
+    generate_vmap_rule = True
 
     @staticmethod
-    def backward(ctx, grad: Tensor):
+    def forward(cos: Tensor, k: Tensor | float) -> tuple[Tensor, ...]:
+        """(g, tanh(u)) for a number k; (g, tanh(u), u, T) for a tensor k, whose gradient needs u."""
+        u = torch.arccos(cos.clamp(-1.0, 1.0)).sub_(math.pi / 2.0).neg_().div_(2.0 * k)  # (pi/2 - theta) / 2k
+        if not isinstance(k, Tensor):
+            th = u.tanh_()
+            return th / math.tanh(math.pi / (4.0 * k)), th
+        th, t = torch.tanh(u), torch.tanh(math.pi / (4.0 * k))
+        return th / t, th, u, t
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        cos, k = inputs
+        ctx.mark_non_differentiable(*output[1:])
+        ctx.set_materialize_grads(False)
+        if isinstance(k, Tensor):
+            _, th, u, t = output
+            ctx.save_for_backward(cos, th, u, k, t)
+        else:
+            ctx.save_for_backward(cos, output[1], None)
+            ctx.numbers = (k, math.tanh(math.pi / (4.0 * k)))
+
+    @staticmethod
+    def backward(ctx, grad: Tensor | None, *_):
+        if grad is None:
+            return None, None
         saved = ctx.saved_tensors
         cos, th, u, k, t = saved if len(saved) == 5 else (*saved, *ctx.numbers)
         sech2 = th.square().neg_().add_(1.0)
@@ -199,4 +218,4 @@ def angular_activation(cos: Tensor, angular: str = "cosine", k: float | Tensor =
     if angular == "linear":
         return _LinearFromCos.apply(cos)
     k = check_k(k)
-    return _SigmoidFromCos.apply(cos, k)
+    return _SigmoidFromCos.apply(cos, k)[0]

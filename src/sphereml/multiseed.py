@@ -17,10 +17,11 @@ So ``fit_seeds(models, data, seeds=[a, b])`` ends where ``fit(models[0], data, s
 data, seed=b)`` end, up to float rounding (``tests/test_multiseed.py`` checks it in float64).  What it leaves out is
 what would couple or serialise the seeds: regularisers, callbacks, per-epoch validation, checkpoints, and random
 layers (dropout draws its noise per seed, but not from ``fit``'s stream).  Every operation needs a batching rule:
-PyTorch's layers and losses have them, and so has the margin heads' weight-normalised product
-(:class:`~sphereml.heads.margin_ce.WeightNormalizedLinear`); the patch layers' and angular functions' hand-written
-backward passes (SphereConv, SCS, the decoupled operators, GA-Softmax's angular head) and the fused margin
-cross-entropy of a GPU (``SPHEREML_FUSED=1``) do not yet, and such a network is refused by name.
+PyTorch's layers and losses have them, and so have our hand-written backward passes, written in the form
+``torch.func`` batches (``setup_context``, ``generate_vmap_rule``): the margin heads' weight-normalised product,
+the patch layers' (SphereConv, SCS, the decoupled operators) and the angular functions'.  The fused Triton
+kernels of a GPU (``SPHEREML_FUSED=1``: the patch epilogue, the margin cross-entropy) have none, and a network
+that reaches one is refused by name.
 """
 
 from __future__ import annotations
@@ -169,9 +170,8 @@ def fit_seeds(models: Sequence[nn.Module], train_data: Dataset, *, seeds: Sequen
                 if "setup_context" not in str(error):
                     raise
                 raise ValueError("fit_seeds cannot batch this network: one of its layers has a hand-written "
-                                 "backward without a vmap rule (SphereConv, SCS, the decoupled operators, the "
-                                 "angular functions, a fused margin cross-entropy); train its seeds with fit"
-                                 ) from error
+                                 "backward without a vmap rule (a fused kernel of SPHEREML_FUSED=1: the patch "
+                                 "epilogue or the margin cross-entropy); train its seeds with fit") from error
             opt.zero_grad(set_to_none=True)
             loss.sum().backward()  # the seeds do not interact: each slice gets its own loss's gradient
             opt.step()

@@ -247,8 +247,8 @@ class Chapter:
 
     def fit_seeds(self, models, train_data, seeds, recipe: str | None = None, **kwargs):
         """:func:`~sphereml.multiseed.fit_seeds` on this chapter's device: ``models[i]`` trained as
-        ``fit(models[i], seed=seeds[i])`` would be, all seeds in one batched step (PyTorch's layers and the
-        margin heads' reference path; Note [fit_seeds is fit, seed by seed]).  The metrics list one training per
+        ``fit(models[i], seed=seeds[i])`` would be, all seeds in one batched step (every layer but the fused
+        kernels of ``SPHEREML_FUSED=1``; Note [fit_seeds is fit, seed by seed]).  The metrics list one training per
         model, each with an equal share of the time; :meth:`evaluate` recalibrates each model as after :meth:`fit`."""
         histories = fit_seeds(models, train_data, seeds=seeds, device=self.device, **kwargs)
         for model, history in zip(models, histories):

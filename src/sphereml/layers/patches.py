@@ -183,23 +183,37 @@ class _DivideByPatchNorm(torch.autograd.Function):
     channels, 32x32, batch 32, in one A/B run on our 2-core CPU.
     """
 
+    generate_vmap_rule = True  # several seeds at once (sphereml.multiseed)
+
     @staticmethod
-    def forward(ctx, inner: Tensor, x: Tensor, q: Tensor | float | None, kernel_size, stride, padding, dilation,
-                groups: int, eps: float) -> Tensor:
-        energy_shape, sq = squared_patch_norms(x, kernel_size, stride, padding, dilation, groups)
+    def forward(inner: Tensor, x: Tensor, q: Tensor | float | None, kernel_size, stride, padding, dilation,
+                groups: int, eps: float) -> tuple[Tensor, ...]:
+        """(cos, n, s), and m = n + q after them when q is given: the norms are outputs so that the context
+        may save them (the form ``torch.func`` needs), never differentiated."""
+        _, sq = squared_patch_norms(x, kernel_size, stride, padding, dilation, groups)
         norm = sq.clamp_min(eps * eps).sqrt_()
         denominator = norm if q is None else norm + q
         bo, co, ho, wo = inner.shape
         grouped = (bo, groups, co // groups, ho, wo)
         cos = (inner.view(grouped) / denominator.unsqueeze(2)).view(bo, co, ho, wo)
-        ctx.save_for_backward(inner, x, norm, denominator, sq)
-        ctx.conv = (kernel_size, stride, padding, dilation, groups, eps)
-        ctx.energy_shape, ctx.has_q = energy_shape, q is not None
         # Out of place: torch.compile (2.11) drops the backward of a Function whose output is changed in place.
-        return cos.clamp(-1.0, 1.0)
+        return (cos.clamp(-1.0, 1.0), norm, sq) + (() if q is None else (denominator,))
 
     @staticmethod
-    def backward(ctx, grad: Tensor):
+    def setup_context(ctx, inputs, output):
+        inner, x, q, kernel_size, stride, padding, dilation, groups, eps = inputs
+        norm, sq = output[1], output[2]
+        ctx.mark_non_differentiable(*output[1:])
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(inner, x, norm, output[-1] if q is not None else norm, sq)
+        ctx.conv = (kernel_size, stride, padding, dilation, groups, eps)
+        b, c, h, w = x.shape
+        ctx.energy_shape, ctx.has_q = (b, groups, h, w), q is not None
+
+    @staticmethod
+    def backward(ctx, grad: Tensor | None, *_):
+        if grad is None:
+            return (None,) * 9
         inner, x, norm, denominator, sq = ctx.saved_tensors
         groups = ctx.conv[4]
         bo, co, ho, wo = inner.shape
@@ -224,15 +238,25 @@ class _Sharpen(torch.autograd.Function):
     axes), exact for abs(c) >= 1e-6 and finite below; one ``pow`` in all, as for plain autograd's forward.
     """
 
-    @staticmethod
-    def forward(ctx, c: Tensor, p: float | Tensor) -> Tensor:
-        powered = c.abs().pow(p)  # abs(c)^p
-        ctx.save_for_backward(c, powered, p if isinstance(p, Tensor) else None)
-        ctx.p = p if not isinstance(p, Tensor) else None
-        return powered * torch.sign(c)
+    generate_vmap_rule = True
 
     @staticmethod
-    def backward(ctx, grad: Tensor):
+    def forward(c: Tensor, p: float | Tensor) -> tuple[Tensor, Tensor]:
+        powered = c.abs().pow(p)  # abs(c)^p
+        return powered * torch.sign(c), powered
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        c, p = inputs
+        ctx.save_for_backward(c, output[1], p if isinstance(p, Tensor) else None)
+        ctx.p = p if not isinstance(p, Tensor) else None
+        ctx.mark_non_differentiable(output[1])
+        ctx.set_materialize_grads(False)  # no zeros for the second output, which is never differentiated
+
+    @staticmethod
+    def backward(ctx, grad: Tensor | None, _):
+        if grad is None:
+            return None, None
         c, powered, p_tensor = ctx.saved_tensors
         p = p_tensor if p_tensor is not None else ctx.p
         floored = c.abs().clamp_min_(_GRAD_FLOOR)
@@ -253,7 +277,7 @@ def sharpen(c: Tensor, p: float | Tensor) -> Tensor:
     """
     if not isinstance(p, Tensor):
         p = real_number("p", p, above=0.0)
-    return _Sharpen.apply(c, p)
+    return _Sharpen.apply(c, p)[0]
 
 
 class _UnitKernels(torch.autograd.Function):
@@ -265,19 +289,29 @@ class _UnitKernels(torch.autograd.Function):
     differentiable, as the patch-norm division that follows it.
     """
 
+    generate_vmap_rule = True
+
     @staticmethod
-    def forward(ctx, weight: Tensor, eps: float) -> Tensor:
+    def forward(weight: Tensor, eps: float) -> tuple[Tensor, Tensor, Tensor]:
+        """(w_hat, max(||w||, eps), ||w|| >= eps), the last two for the context only."""
         flat = weight.flatten(1)
         norm = safe_norm(flat, dim=1, keepdim=True)
         denominator = norm.clamp_min(eps)
-        unit = flat / denominator
-        ctx.save_for_backward(unit, denominator, norm >= eps)
-        return unit.view_as(weight)
+        return (flat / denominator).view_as(weight), denominator, norm >= eps
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.mark_non_differentiable(*output[1:])
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(*output)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, grad: Tensor):
+    def backward(ctx, grad: Tensor | None, *_):
+        if grad is None:
+            return None, None
         unit, denominator, active = ctx.saved_tensors
+        unit = unit.flatten(1)
         g = grad.reshape(unit.shape)
         along = (g * unit).sum(1, keepdim=True) * active
         return ((g - unit * along) / denominator).view_as(grad), None
@@ -323,7 +357,7 @@ def patch_cosine2d(x: Tensor, weight: Tensor, stride=1, padding=0, dilation=1, g
     kernel_size = tuple(weight.shape[2:])
     stride, dilation = pair(stride, "stride", 1), pair(dilation, "dilation", 1)
     x, padding = explicit_padding(x, padding, kernel_size, stride, dilation)
-    w_hat = _UnitKernels.apply(weight, eps)
+    w_hat = _UnitKernels.apply(weight, eps)[0]
     inner = F.conv2d(x, w_hat, None, stride, padding, dilation, groups)  # (B, C_out, H', W')
     if q is not None and not isinstance(q, Tensor):
         q = None if q == 0 else float(q)  # a number stays on the host: no copy to the device per call
@@ -337,7 +371,7 @@ def patch_cosine2d(x: Tensor, weight: Tensor, stride=1, padding=0, dilation=1, g
         else:
             sq = squared_patch_norms(x, kernel_size, stride, padding, dilation, groups)[1]
             return fused_epilogue(inner, sq, q, epilogue, param, groups, eps)
-    cos = _DivideByPatchNorm.apply(inner, x, q, *conv)
+    cos = _DivideByPatchNorm.apply(inner, x, q, *conv)[0]
     if power is not None:
         return sharpen(cos, power)
     return angular_activation(cos, angular, k)
