@@ -15,14 +15,11 @@ from sphereml.train import fit
 from .harness import compare, smoke_or
 
 SEEDS = [0, 1, 2]
-NETWORKS = {  # chapter 1-2's ConvNet, chapter 5's SCS network, chapter 3's CNN-9 and SphereNet-9, on 1 x 28 x 28
+NETWORKS = {  # chapter 1-2's ConvNet, chapter 5's SCS network (cpu widths) and chapter 3's CNN-9, on 1 x 28 x 28
     "convnet_16x32": lambda: models.Classifier(models.ConvNet(1, 64, widths=(16, 32), act_layer="prelu"), 10),
     "scs_16x32x64": lambda: models.Classifier(models.scs_net((16, 32, 64), in_channels=1, image_size=28), 10),
     "cnn9_64x96x128": lambda: models.Classifier(
         models.plain_cnn(9, widths=(64, 96, 128), in_channels=1, image_size=28, feature_dim=256), 10),
-    "spherenet9_sigmoid_64x96x128": lambda: models.Classifier(
-        models.spherenet(9, "sigmoid", learnable_k=True, widths=(64, 96, 128), in_channels=1, image_size=28,
-                         feature_dim=256), 10),
 }
 
 

@@ -152,6 +152,7 @@ def test_evaluate_recalibrates_running_statistics_once_after_each_fit(tmp_path, 
 def test_fit_seeds_trains_like_fit_and_recalibrates_each_model(tmp_path, monkeypatch):
     from sphereml.data import sphere_clusters
 
+    monkeypatch.setenv("SPHEREML_SEEDS_TOGETHER", "1")
     ch = chapter.Chapter("demo", profile="cpu", device="cpu", seed=0, output_dir=str(tmp_path))
     data = sphere_clusters(3, 40, 6, concentration=3.0, seed=0)
 
@@ -169,6 +170,56 @@ def test_fit_seeds_trains_like_fit_and_recalibrates_each_model(tmp_path, monkeyp
         assert recalibration.stats_fresh(model)
     fits = json.loads((tmp_path / "metrics.json").read_text())["fits"]
     assert [f.get("together") for f in fits] == [2, 2, None, None] and all(f["n_train"] == 120 for f in fits)
+
+
+def test_seeds_train_together_in_the_full_scale_profiles_unless_told_otherwise(tmp_path, monkeypatch):
+    monkeypatch.delenv("SPHEREML_SEEDS_TOGETHER", raising=False)
+    together = {p: chapter.Chapter("demo", profile=p, device="cpu", output_dir=str(tmp_path)).seeds_together
+                for p in chapter.PROFILES}
+    assert together == {"smoke": False, "cpu": False, "gpu": True, "paper": True}
+    monkeypatch.setenv("SPHEREML_SEEDS_TOGETHER", "0")
+    assert not chapter.Chapter("demo", profile="gpu", device="cpu", output_dir=str(tmp_path)).seeds_together
+    monkeypatch.setenv("SPHEREML_SEEDS_TOGETHER", "yes")
+    with pytest.raises(ValueError, match="SPHEREML_SEEDS_TOGETHER must be 0 or 1"):
+        chapter.Chapter("demo", profile="gpu", device="cpu", output_dir=str(tmp_path))
+
+
+def test_fit_seeds_one_after_another_is_fit_seed_by_seed(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPHEREML_SEEDS_TOGETHER", "0")
+    ch = chapter.Chapter("demo", profile="cpu", device="cpu", seed=0, output_dir=str(tmp_path))
+    data = torch.utils.data.TensorDataset(torch.randn(64, 5), torch.randint(0, 3, (64,)))
+
+    def net(seed):
+        torch.manual_seed(seed)
+        return torch.nn.Linear(5, 3)
+
+    together, alone = [net(1), net(2)], [net(1), net(2)]
+    ch.fit_seeds(together, data, [4, 5], epochs=2, lr=0.05, batch_size=16)
+    for model, twin, seed in zip(together, alone, (4, 5)):
+        ch.fit(twin, data, epochs=2, lr=0.05, batch_size=16, seed=seed)
+        assert torch.equal(model.weight, twin.weight)
+    fits = json.loads((tmp_path / "metrics.json").read_text())["fits"]
+    assert [f.get("together") for f in fits] == [None] * 4
+    with pytest.raises(ValueError, match="seeds needs one entry per model"):
+        ch.fit_seeds(together, data, [4], epochs=1)
+    with pytest.raises(ValueError, match="callbacks needs one entry per model"):
+        ch.fit_seeds(together, data, [4, 5], callbacks=[[]], epochs=1)
+
+
+def test_fit_seeds_with_callbacks_trains_one_after_another_even_together(tmp_path, monkeypatch):
+    from sphereml.train import Tracker
+
+    monkeypatch.setenv("SPHEREML_SEEDS_TOGETHER", "1")
+    ch = chapter.Chapter("demo", profile="gpu", device="cpu", seed=0, output_dir=str(tmp_path))
+    data = torch.utils.data.TensorDataset(torch.randn(64, 5), torch.randint(0, 3, (64,)))
+    nets = [torch.nn.Linear(5, 3) for _ in range(2)]
+    trackers = [Tracker(lambda state, m=m: float(m.weight.norm()), 1) for m in nets]
+    ch.fit_seeds(nets, data, [4, 5], callbacks=[[trackers[0]], []], epochs=1, lr=0.05, batch_size=16)
+    assert len(trackers[0].values) == 4 and trackers[1].values == []
+    fits = json.loads((tmp_path / "metrics.json").read_text())["fits"]
+    assert [f.get("together") for f in fits] == [None, None]
+    ch.fit_seeds(nets, data, [4, 5], callbacks=[[], []], epochs=1, lr=0.05, batch_size=16)  # nothing to follow
+    assert [f.get("together") for f in json.loads((tmp_path / "metrics.json").read_text())["fits"][2:]] == [2, 2]
 
 
 def test_a_tiny_gpu_run_takes_gpu_paths_at_smoke_sizes(tmp_path, monkeypatch):

@@ -16,6 +16,14 @@ available, else ``cpu``.  Every chapter opens with::
 and then uses ``ch.pick(smoke=…, cpu=…, gpu=…)`` for sizes, ``ch.recipe`` for a source's training set-up,
 ``ch.fit`` / ``ch.evaluate`` / ``ch.collect`` to train on its device, ``ch.savefig`` for figures, ``ch.record``
 for numbers and ``ch.claim`` for each verdict it shows, and ``ch.show_verdicts()`` for its summary.
+
+Note [seeds together]
+    A comparison paired over seeds trains one architecture once per seed.  ``ch.fit_seeds`` trains them one
+    after another with ``ch.fit`` in the ``smoke`` and ``cpu`` profiles, and in one batched step
+    (:func:`~sphereml.multiseed.fit_seeds`) in ``gpu`` and ``paper``, where small networks are bound by kernel
+    launches; ``SPHEREML_SEEDS_TOGETHER=0`` or ``1`` overrides.  Both end at the same weights up to float
+    rounding (``tests/test_multiseed.py``); on two CPU cores the batched step is slower (grouped convolutions),
+    hence the split.  A tiny gpu run (``SPHEREML_GPU_TINY=1``) takes the batched path, so CI runs it.
 """
 
 from __future__ import annotations
@@ -165,6 +173,11 @@ class Chapter:
         # synthetic CIFAR, so that a CPU proves they execute (tests/test_notebooks.py); the ledger skips such runs
         self.tiny = self.full_scale and os.environ.get("SPHEREML_GPU_TINY") == "1"
         self.device = resolve_device(device)
+        # Note [seeds together]: the gpu and paper profiles train a comparison's seeds in one batched step
+        together = os.environ.get("SPHEREML_SEEDS_TOGETHER", "")
+        if together not in ("", "0", "1"):
+            raise ValueError(f"SPHEREML_SEEDS_TOGETHER must be 0 or 1, got {together!r}")
+        self.seeds_together = together == "1" if together else self.full_scale
         self.seed = integer("seed", seed, at_least=0)
         seed_everything(seed)
         self._started = time.perf_counter()
@@ -175,6 +188,7 @@ class Chapter:
             "device_name": torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu",
             "torch": torch.__version__, "params": dict(params or {}), "threads": torch.get_num_threads(),
             "claims": [], "tiny": self.tiny, "fits": [], "elapsed_seconds": 0.0,
+            "seeds_together": self.seeds_together,
             "backends": configure_backends(self.profile, self.device),
         }
         self.figures: list[str] = []
@@ -245,11 +259,20 @@ class Chapter:
         self.write()
         return history
 
-    def fit_seeds(self, models, train_data, seeds, recipe: str | None = None, **kwargs):
-        """:func:`~sphereml.multiseed.fit_seeds` on this chapter's device: ``models[i]`` trained as
-        ``fit(models[i], seed=seeds[i])`` would be, all seeds in one batched step (every layer but the fused
-        kernels of ``SPHEREML_FUSED=1``; Note [fit_seeds is fit, seed by seed]).  The metrics list one training per
-        model, each with an equal share of the time; :meth:`evaluate` recalibrates each model as after :meth:`fit`."""
+    def fit_seeds(self, models, train_data, seeds, recipe: str | None = None, callbacks=None, **kwargs):
+        """``models[i]`` trained as ``fit(models[i], seed=seeds[i])`` would be: with :meth:`fit`, one after
+        another, unless :attr:`seeds_together`, then all seeds in one batched step
+        (:func:`~sphereml.multiseed.fit_seeds`: every layer but the fused kernels of ``SPHEREML_FUSED=1``; Note
+        [fit_seeds is fit, seed by seed]).  ``callbacks``, one list per model (a tracker of its weights), need the
+        models one after another.  The metrics list one training per model, each with an equal share of the time
+        when together; :meth:`evaluate` recalibrates each model as after :meth:`fit`."""
+        for name, values in {"seeds": seeds, "callbacks": callbacks}.items():
+            if values is not None and len(values) != len(models):
+                raise ValueError(f"{name} needs one entry per model, got {len(values)} for {len(models)} models")
+        if not self.seeds_together or (callbacks is not None and any(callbacks)):
+            callbacks = callbacks or [()] * len(models)
+            return [self.fit(model, train_data, recipe, seed=seed, callbacks=list(calls), **kwargs)
+                    for model, seed, calls in zip(models, seeds, callbacks)]
         histories = fit_seeds(models, train_data, seeds=seeds, device=self.device, **kwargs)
         for model, history in zip(models, histories):
             self._trained_on[model] = train_data

@@ -331,8 +331,7 @@ class _DecoupledMixin:
             weight = (self.norm_mean_updates.to(self.norm_mean.dtype) + 1.0).reciprocal()  # cumulative average ...
             if self.momentum is not None:
                 weight = weight.clamp_min(self.momentum)  # ... until it is overtaken by the momentum
-            # out of place, then copied: lerp_ has no batching rule (several seeds at once, sphereml.multiseed)
-            self.norm_mean.copy_(torch.lerp(self.norm_mean, batch_mean.to(self.norm_mean.dtype), weight))
+            self.norm_mean.copy_(self.norm_mean.lerp(batch_mean.to(self.norm_mean.dtype), weight))  # vmap: no lerp_
             self.norm_mean_updates.add_(1)
         return batch_mean
 
