@@ -223,10 +223,12 @@ def test_bad_arguments_are_named():
 
 
 @pytest.mark.needs_cuda
-def test_fit_seeds_on_cuda_matches_fit_seed_by_seed():
+@pytest.mark.parametrize("body", ["CNN-3 with BatchNorm", "SphereNet-3, sigmoid with learned k",
+                                  "SCS, learned p and q"])
+def test_fit_seeds_on_cuda_matches_fit_seed_by_seed(body):
     data, seeds = _data(n=256), [0, 1, 2]
     data32 = TensorDataset(data.tensors[0].float(), data.tensors[1])
-    together, alone = [_cnn(s).float() for s in seeds], [_cnn(s).float() for s in seeds]
+    together, alone = [_cnn(s, body=body).float() for s in seeds], [_cnn(s, body=body).float() for s in seeds]
     settings = dict(epochs=1, batch_size=64, optimizer="sgd", lr=0.01, momentum=0.0, device="cuda")
     fit_seeds(together, data32, seeds=seeds, **settings)  # SGD: Adam would turn rounding-only gradients into steps
     for model, twin, seed in zip(together, alone, seeds):
