@@ -206,20 +206,22 @@ def test_fit_seeds_one_after_another_is_fit_seed_by_seed(tmp_path, monkeypatch):
         ch.fit_seeds(together, data, [4, 5], callbacks=[[]], epochs=1)
 
 
-def test_fit_seeds_with_callbacks_trains_one_after_another_even_together(tmp_path, monkeypatch):
+def test_fit_seeds_takes_trackers_along_and_other_callbacks_one_after_another(tmp_path, monkeypatch):
     from sphereml.train import Tracker
 
     monkeypatch.setenv("SPHEREML_SEEDS_TOGETHER", "1")
     ch = chapter.Chapter("demo", profile="gpu", device="cpu", seed=0, output_dir=str(tmp_path))
     data = torch.utils.data.TensorDataset(torch.randn(64, 5), torch.randint(0, 3, (64,)))
     nets = [torch.nn.Linear(5, 3) for _ in range(2)]
-    trackers = [Tracker(lambda state, m=m: float(m.weight.norm()), 1) for m in nets]
+    trackers = [Tracker(lambda state, m=m: float(m.weight.detach().norm()), 1) for m in nets]
     ch.fit_seeds(nets, data, [4, 5], callbacks=[[trackers[0]], []], epochs=1, lr=0.05, batch_size=16)
     assert len(trackers[0].values) == 4 and trackers[1].values == []
+    steps = []
+    ch.fit_seeds(nets, data, [4, 5], callbacks=[[lambda state: steps.append(state.step)], []], epochs=1, lr=0.05,
+                 batch_size=16)
+    assert steps == [1, 2, 3, 4]
     fits = json.loads((tmp_path / "metrics.json").read_text())["fits"]
-    assert [f.get("together") for f in fits] == [None, None]
-    ch.fit_seeds(nets, data, [4, 5], callbacks=[[], []], epochs=1, lr=0.05, batch_size=16)  # nothing to follow
-    assert [f.get("together") for f in json.loads((tmp_path / "metrics.json").read_text())["fits"][2:]] == [2, 2]
+    assert [f.get("together") for f in fits] == [2, 2, None, None]
 
 
 def test_a_tiny_gpu_run_takes_gpu_paths_at_smoke_sizes(tmp_path, monkeypatch):

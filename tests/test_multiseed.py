@@ -13,7 +13,7 @@ from sphereml import launches, models
 from sphereml.heads import ArcFaceLoss, ASoftmaxLoss, LambdaSchedule
 from sphereml.layers.decoupled import DecoupledConv2d
 from sphereml.multiseed import fit_seeds, stack_state, unstack_state
-from sphereml.train import evaluate, fit
+from sphereml.train import Tracker, evaluate, fit
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -70,6 +70,38 @@ def test_fit_seeds_ends_where_fit_ends_seed_by_seed(optimizer, kwargs, body):
             # atol: a conv bias before BatchNorm has no gradient but rounding, and Adam scales that to whole steps
             torch.testing.assert_close(got[name], want[name], rtol=1e-9, atol=1e-9, msg=name)
     assert not torch.equal(_state(together[0])["head.weight"], _state(together[1])["head.weight"])
+
+
+def test_trackers_see_each_seed_as_fit_shows_it():
+    """A tracker of each model's weights, of its held-out accuracy (an evaluation in the middle of training,
+    BatchNorm included) and of the step's loss records what it records under fit, at the same steps."""
+    data, held_out, seeds = _data(), _data(n=32, seed=5), [3, 7]
+
+    def trackers(model):
+        return [Tracker(lambda state: float(sum(p.detach().norm() for p in state.model.parameters())), 2),
+                Tracker(lambda state, m=model: evaluate(m, held_out, device="cpu")["loss"], 3, include_first=False),
+                Tracker(lambda state: state.loss, 4)]
+
+    together, alone = [_cnn(s) for s in seeds], [_cnn(s) for s in seeds]
+    settings = dict(epochs=2, batch_size=40, optimizer="adam", device="cpu")
+    calls = [trackers(m) for m in together]
+    fit_seeds(together, data, seeds=seeds, callbacks=calls, **settings)
+    for model, twin, seed, mine in zip(together, alone, seeds, calls):
+        theirs = trackers(twin)
+        fit(twin, data, seed=seed, progress=False, callbacks=theirs, **settings)
+        for a, b in zip(mine, theirs):
+            assert a.steps == b.steps and a.steps  # 6 steps: 1, 2, 4, 6 / 3, 6 / 1, 4
+            assert a.values == pytest.approx(b.values, rel=1e-9)
+        for name, value in _state(twin).items():
+            torch.testing.assert_close(_state(model)[name], value, rtol=1e-9, atol=1e-9, msg=name)
+
+
+def test_only_trackers_are_taken_as_callbacks():
+    nets, data = [_cnn(0), _cnn(1)], _data(n=16)
+    with pytest.raises(ValueError, match="Tracker callbacks only"):
+        fit_seeds(nets, data, seeds=[0, 1], epochs=1, callbacks=[[print], []], device="cpu")
+    with pytest.raises(ValueError, match="one list per model"):
+        fit_seeds(nets, data, seeds=[0, 1], epochs=1, callbacks=[[]], device="cpu")
 
 
 def test_fit_seeds_takes_a_margin_head_and_a_custom_loss():

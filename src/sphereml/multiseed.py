@@ -14,9 +14,11 @@ loss's gradient, and SGD (momentum, weight decay) and Adam update every element 
 the stacked tensors is one optimiser per seed.  Seed ``s`` sees the batches ``fit(model, seed=s)`` would draw (the
 same generator per epoch), and BatchNorm updates its running statistics in its own slice of the stacked buffers.
 So ``fit_seeds(models, data, seeds=[a, b])`` ends where ``fit(models[0], data, seed=a)`` and ``fit(models[1],
-data, seed=b)`` end, up to float rounding (``tests/test_multiseed.py`` checks it in float64).  What it leaves out is
-what would couple or serialise the seeds: regularisers, callbacks, per-epoch validation, checkpoints, and random
-layers (dropout draws its noise per seed, but not from ``fit``'s stream).  Every operation needs a batching rule:
+data, seed=b)`` end, up to float rounding (``tests/test_multiseed.py`` checks it in float64).  Trackers
+(:class:`~sphereml.train.Tracker`) see each seed's model as ``fit`` shows it: at a step where one records, the
+stacked state is first copied into the models.  What it leaves out is what would couple or serialise the seeds:
+regularisers, other callbacks, per-epoch validation, checkpoints, and random layers (dropout draws its noise per
+seed, but not from ``fit``'s stream).  Every operation needs a batching rule:
 PyTorch's layers and losses have them, and so have our hand-written backward passes, written in the form
 ``torch.func`` batches (``setup_context``, ``generate_vmap_rule``): the margin heads' weight-normalised product,
 the patch layers' (SphereConv, SCS, the decoupled operators) and the angular functions'.  The fused Triton
@@ -35,7 +37,8 @@ from torch.func import functional_call, vmap
 from torch.utils.data import Dataset
 
 from ._checks import integer, real_number
-from .train import History, LossFn, batches, default_loss, make_optimizer, on_device, resolve_device
+from .train import (History, LossFn, StepState, Tracker, batches, default_loss, make_optimizer, on_device,
+                    resolve_device)
 
 __all__ = ["fit_seeds", "stack_state", "unstack_state"]
 
@@ -115,7 +118,8 @@ def _stacked_step(objective: _Objective, has_logits: list) -> Callable:
 def fit_seeds(models: Sequence[nn.Module], train_data: Dataset, *, seeds: Sequence[int], epochs: int,
               batch_size: int = 128, lr: float = 1e-3, optimizer: str = "adam", weight_decay: float = 0.0,
               momentum: float = 0.9, scheduler: Callable | None = None, loss_fn: LossFn | None = None,
-              device: str | torch.device = "auto") -> list[History]:
+              callbacks: Sequence[Sequence[Tracker]] | None = None, device: str | torch.device = "auto"
+              ) -> list[History]:
     """Train ``models[i]`` as ``fit(models[i], train_data, seed=seeds[i], ...)`` would, all in one batched step
     (Note [fit_seeds is fit, seed by seed]).
 
@@ -125,6 +129,9 @@ def fit_seeds(models: Sequence[nn.Module], train_data: Dataset, *, seeds: Sequen
         seeds: one per model: its data order, as ``fit``'s ``seed``.
         epochs, batch_size, lr, weight_decay, momentum, scheduler, loss_fn, device: as for ``fit``.
         optimizer (str): ``"sgd"`` or ``"adam"`` (element-wise updates, so one optimiser serves every seed).
+        callbacks: one list of :class:`~sphereml.train.Tracker` per model, called as ``fit`` calls them.  At a step
+            where one of them records, every model is first given its current weights and buffers (one copy per
+            tensor), so a tracker may read or evaluate its model; its state's optimiser is the stacked one.
 
     Returns:
         One :class:`~sphereml.train.History` per model: its steps' losses and, per epoch, train_loss, train_acc (when
@@ -144,10 +151,12 @@ def fit_seeds(models: Sequence[nn.Module], train_data: Dataset, *, seeds: Sequen
     real_number("lr", lr, above=0.0)
     if optimizer not in OPTIMIZERS:  # a callable's update may mix elements, and so seeds
         raise ValueError(f"optimizer must be one of {OPTIMIZERS} (element-wise, so one per seed), got {optimizer!r}")
+    callbacks = _check_trackers(callbacks, len(models))
     dev = resolve_device(device)
     for model in models:
         model.to(dev)
     params, buffers = stack_state(models)
+    step_count = 0
     trainable = [p for p in params.values() if p.requires_grad]
     opt = make_optimizer(optimizer, trainable, lr, weight_decay, momentum)
     sched = scheduler(opt) if scheduler is not None else None
@@ -179,6 +188,8 @@ def fit_seeds(models: Sequence[nn.Module], train_data: Dataset, *, seeds: Sequen
             sizes.append(y.shape[1])
             if has_logits[0]:
                 correct += (logits.argmax(-1) == y).sum(1)
+            step_count += 1
+            _call_trackers(callbacks, step_count, epoch, losses[-1], models, opt, params, buffers)
         if sched is not None:
             sched.step()
         _record(histories, losses, sizes, correct if has_logits and has_logits[0] else None,
@@ -187,6 +198,29 @@ def fit_seeds(models: Sequence[nn.Module], train_data: Dataset, *, seeds: Sequen
     for model in models:
         model._sphereml_stats_fresh = False  # the weights moved: running statistics lag (sphereml.recalibration)
     return histories
+
+
+def _check_trackers(callbacks, count: int) -> list[list[Tracker]]:
+    """One list of trackers per model (empty when None); any other callback is refused by name."""
+    if callbacks is None:
+        return [[] for _ in range(count)]
+    if len(callbacks) != count:
+        raise ValueError(f"callbacks needs one list per model, got {len(callbacks)} for {count} models")
+    for calls in callbacks:
+        for call in calls:
+            if not isinstance(call, Tracker):
+                raise ValueError(f"fit_seeds takes Tracker callbacks only (it knows their steps), got {call!r}")
+    return [list(calls) for calls in callbacks]
+
+
+def _call_trackers(callbacks, step: int, epoch: int, losses: Tensor, models, opt, params, buffers) -> None:
+    """The trackers due at ``step``, each with its model holding its seed's current state."""
+    if not any(t.due(step) for calls in callbacks for t in calls):
+        return
+    unstack_state(models, params, buffers)
+    for i, (model, calls) in enumerate(zip(models, callbacks)):
+        for tracker in calls:
+            tracker(StepState(step=step, epoch=epoch, loss_tensor=losses[i], model=model, optimizer=opt))
 
 
 def _record(histories: list[History], losses: list[Tensor], sizes: list[int], correct: Tensor | None,

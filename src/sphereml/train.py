@@ -113,8 +113,12 @@ class Tracker:
         self.include_first = bool(include_first)
         self.points: list[tuple[int, float]] = []
 
+    def due(self, step: int) -> bool:
+        """Whether the tracker records at optimiser step ``step`` (counted from 1)."""
+        return (self.include_first and step == 1) or step % self.every == 0
+
     def __call__(self, state: StepState) -> None:
-        if (self.include_first and state.step == 1) or state.step % self.every == 0:
+        if self.due(state.step):
             self.points.append((state.step, self.fn(state)))
 
     @property

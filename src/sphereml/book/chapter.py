@@ -44,7 +44,7 @@ from . import recipes, viz
 from .._checks import integer
 from ..multiseed import fit_seeds
 from ..recalibration import has_running_stats, recalibrate, stats_fresh
-from ..train import collect_outputs, evaluate, fit, resolve_device, seed_everything
+from ..train import Tracker, collect_outputs, evaluate, fit, resolve_device, seed_everything
 from .report import ClaimCard, VerdictTable, show
 from .verdicts import NOT_TESTABLE, verdict_name
 
@@ -263,17 +263,18 @@ class Chapter:
         """``models[i]`` trained as ``fit(models[i], seed=seeds[i])`` would be: with :meth:`fit`, one after
         another, unless :attr:`seeds_together`, then all seeds in one batched step
         (:func:`~sphereml.multiseed.fit_seeds`: every layer but the fused kernels of ``SPHEREML_FUSED=1``; Note
-        [fit_seeds is fit, seed by seed]).  ``callbacks``, one list per model (a tracker of its weights), need the
-        models one after another.  The metrics list one training per model, each with an equal share of the time
-        when together; :meth:`evaluate` recalibrates each model as after :meth:`fit`."""
+        [fit_seeds is fit, seed by seed]).  ``callbacks``: one list per model; trackers go along, any other
+        callback trains the models one after another.  The metrics list one training per model, each with an
+        equal share of the time when together; :meth:`evaluate` recalibrates each model as after :meth:`fit`."""
         for name, values in {"seeds": seeds, "callbacks": callbacks}.items():
             if values is not None and len(values) != len(models):
                 raise ValueError(f"{name} needs one entry per model, got {len(values)} for {len(models)} models")
-        if not self.seeds_together or (callbacks is not None and any(callbacks)):
+        trackers_only = all(isinstance(c, Tracker) for calls in (callbacks or []) for c in calls)
+        if not self.seeds_together or not trackers_only or len(models) == 1:
             callbacks = callbacks or [()] * len(models)
             return [self.fit(model, train_data, recipe, seed=seed, callbacks=list(calls), **kwargs)
                     for model, seed, calls in zip(models, seeds, callbacks)]
-        histories = fit_seeds(models, train_data, seeds=seeds, device=self.device, **kwargs)
+        histories = fit_seeds(models, train_data, seeds=seeds, device=self.device, callbacks=callbacks, **kwargs)
         for model, history in zip(models, histories):
             self._trained_on[model] = train_data
             seconds = sum(epoch["seconds"] for epoch in history.epochs) / len(models)
