@@ -13,17 +13,16 @@ The seeds do not interact: the loss of the stack is the sum of the seeds' losses
 loss's gradient, and SGD (momentum, weight decay) and Adam update every element independently, so one optimiser over
 the stacked tensors is one optimiser per seed.  Seed ``s`` sees the batches ``fit(model, seed=s)`` would draw (the
 same generator per epoch), and BatchNorm updates its running statistics in its own slice of the stacked buffers.
-So ``fit_seeds(models, data, seeds=[a, b])`` ends where ``fit(models[0], data, seed=a)`` and ``fit(models[1],
-data, seed=b)`` end, up to float rounding (``tests/test_multiseed.py`` checks it in float64).  Trackers
+So ``fit_seeds(models, data, seeds=[a, b])`` ends where ``fit(models[0], data, seed=a)`` and ``fit(models[1], data,
+seed=b)`` end, up to float rounding (``tests/test_multiseed.py`` checks it in float64). Trackers
 (:class:`~sphereml.train.Tracker`) see each seed's model as ``fit`` shows it: at a step where one records, the
-stacked state is first copied into the models.  What it leaves out is what would couple or serialise the seeds:
+stacked state is first copied into the models. What it leaves out is what would couple or serialise the seeds:
 regularisers, other callbacks, per-epoch validation, checkpoints, and random layers (dropout draws its noise per
-seed, but not from ``fit``'s stream).  Every operation needs a batching rule:
-PyTorch's layers and losses have them, and so have our hand-written backward passes, written in the form
-``torch.func`` batches (``setup_context``, ``generate_vmap_rule``): the margin heads' weight-normalised product,
-the patch layers' (SphereConv, SCS, the decoupled operators) and the angular functions'.  The fused Triton
-kernels of a GPU (``SPHEREML_FUSED=1``: the patch epilogue, the margin cross-entropy) have none, and a network
-that reaches one is refused by name.
+seed, but not from ``fit``'s stream). Every operation needs a batching rule: PyTorch's layers and losses have them,
+and so have our hand-written backward passes, written in the form ``torch.func`` batches (``setup_context``,
+``generate_vmap_rule``): the margin heads' weight-normalised product, the patch layers' (SphereConv, SCS, the
+decoupled operators) and the angular functions'. The fused Triton kernels of a GPU (``SPHEREML_FUSED=1``: the patch
+epilogue, the margin cross-entropy) have none, and a network that reaches one is refused by name.
 """
 
 from __future__ import annotations
