@@ -8,6 +8,7 @@ import torch
 
 from sphereml.book import chapter, verdicts
 from sphereml import recalibration
+from sphereml.models import Classifier, ConvNet
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -220,8 +221,41 @@ def test_fit_seeds_takes_trackers_along_and_other_callbacks_one_after_another(tm
     ch.fit_seeds(nets, data, [4, 5], callbacks=[[lambda state: steps.append(state.step)], []], epochs=1, lr=0.05,
                  batch_size=16)
     assert steps == [1, 2, 3, 4]
+    adam = lambda params: torch.optim.Adam(params, lr=0.01)  # noqa: E731  (may mix elements: fit_seeds refuses it)
+    ch.fit_seeds(nets, data, [4, 5], epochs=1, batch_size=16, optimizer=adam)
+    ch.fit_seeds(nets, data, [4, 5], epochs=1, batch_size=16, loss_fn=None)
     fits = json.loads((tmp_path / "metrics.json").read_text())["fits"]
-    assert [f.get("together") for f in fits] == [2, 2, None, None]
+    assert [f.get("together") for f in fits] == [2, 2, None, None, None, None, 2, 2]
+
+
+@pytest.mark.parametrize("variant,shared", [("random", True), ("angle", False)])
+def test_fit_seeds_gives_each_model_its_regularizer(tmp_path, monkeypatch, variant, shared):
+    """Together, the first model's regulariser serves every seed, unless its projections are fitted to the weights:
+    then each model gets its own, as when they train one after another."""
+    from sphereml.regularizers.comhe import CoMHE
+
+    monkeypatch.setenv("SPHEREML_SEEDS_TOGETHER", "1")
+    ch = chapter.Chapter("demo", profile="gpu", device="cpu", seed=0, output_dir=str(tmp_path))
+    data = torch.utils.data.TensorDataset(torch.randn(32, 1, 8, 8), torch.randint(0, 3, (32,)))
+    nets = [Classifier(ConvNet(1, 6, (3, 4), image_size=8), 3) for _ in range(2)]
+    bound = []
+
+    def make(model):
+        bound.append(model)
+        return CoMHE(model, variant, beta_hidden=0.1, beta_output=0.1)
+
+    histories = ch.fit_seeds(nets, data, [4, 5], epochs=1, batch_size=16, make_regularizer=make)
+    assert bound == (nets[:1] if shared else nets) and all(h["reg"][0] > 0 for h in histories)
+    monkeypatch.setenv("SPHEREML_SEEDS_TOGETHER", "0")
+    alone = chapter.Chapter("demo", profile="gpu", device="cpu", seed=0, output_dir=str(tmp_path / "alone"))
+    bound.clear()
+    alone.fit_seeds(nets, data, [4, 5], epochs=1, batch_size=16, make_regularizer=make)
+    assert bound == nets
+    ch.fit_seeds(nets, data, [4, 5], epochs=1, batch_size=16, regularizers=[None, None])  # none: plain training
+    fits = json.loads((tmp_path / "metrics.json").read_text())["fits"]
+    assert [f.get("together") for f in fits] == [2, 2, 2, 2]
+    with pytest.raises(ValueError, match="not both"):
+        ch.fit_seeds(nets, data, [4, 5], epochs=1, make_regularizer=make, regularizers=[make(n) for n in nets])
 
 
 def test_a_tiny_gpu_run_takes_gpu_paths_at_smoke_sizes(tmp_path, monkeypatch):

@@ -15,7 +15,7 @@ from sphereml.layers.decoupled import (BOUNDED_MAGNITUDES, MAGNITUDES, Decoupled
     decoupled_conv2d, decoupled_conv2d_reference, decoupled_factory, decoupled_layers, decoupled_linear,
     magnitude_function)
 from sphereml.layers.decoupled_training import (WeightProjection, init_from_pretrained, mean_kernel_norm,
-    project_weights, radius_per_channel, scale_kernels, training_aid, weighted_gradients)
+    project_weights, radius_per_channel, scale_kernels, training_aid, training_aids, weighted_gradients)
 from sphereml.models import Classifier, plain_cnn
 from sphereml.regularizers import Orthogonality, orthogonality_penalty
 from sphereml.train import fit
@@ -344,6 +344,16 @@ def test_training_aid_sets_up_each_aid_and_undoes_the_gradient_hooks():
     cnn = Classifier(plain_cnn(3, (4, 4, 4), 1, 8, 8, conv_layer=partial(torch.nn.Conv2d, bias=False)), 3)
     with training_aid(cnn, "projection") as callbacks:  # no decoupled layer: standard gradients
         assert callbacks == []
+    twin = copy.deepcopy(net)
+    with torch.no_grad():
+        decoupled_layers(net)[0].weight.mul_(2.0)  # its kernels' norms: 1 after the projection above, now 2
+    plain = kernel_grad()
+    with training_aids([twin, net], "weighted") as callbacks:  # one list per network, each with its hooks
+        assert callbacks == [[], []]
+        torch.testing.assert_close(kernel_grad(), plain * 2.0)
+    torch.testing.assert_close(kernel_grad(), plain)
+    with training_aids([twin, cnn], "projection", every=3) as callbacks:
+        assert callbacks == [[WeightProjection(3)], []] and mean_kernel_norm(twin) == pytest.approx(1.0)
     with pytest.raises(ValueError, match="aid"):
         with training_aid(net, "projected"):
             pass

@@ -12,7 +12,10 @@ from torch.utils.data import TensorDataset
 from sphereml import launches, models
 from sphereml.heads import ArcFaceLoss, ASoftmaxLoss, LambdaSchedule
 from sphereml.layers.decoupled import DecoupledConv2d
-from sphereml.multiseed import fit_seeds, stack_state, unstack_state
+from sphereml.layers.decoupled_training import WeightProjection, mean_kernel_norm, project_weights
+from sphereml.multiseed import fit_seeds, stack_state, stacked_callbacks, unstack_state
+from sphereml.regularizers import MHE, ConvSimilarity, Orthogonality, Orthonormality, opt, select_layers
+from sphereml.regularizers.comhe import CoMHE
 from sphereml.train import Tracker, evaluate, fit
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -72,6 +75,19 @@ def test_fit_seeds_ends_where_fit_ends_seed_by_seed(optimizer, kwargs, body):
     assert not torch.equal(_state(together[0])["head.weight"], _state(together[1])["head.weight"])
 
 
+def test_each_seed_is_validated_after_each_epoch_as_fit_validates_it():
+    data, held_out, seeds = _data(), _data(n=24, seed=5), [3, 7]
+    together, alone = [_cnn(s) for s in seeds], [_cnn(s) for s in seeds]
+    settings = dict(epochs=2, batch_size=40, optimizer="adam", device="cpu", val_data=held_out)
+    histories = fit_seeds(together, data, seeds=seeds, **settings)
+    for twin, seed, history in zip(alone, seeds, histories):
+        expected = fit(twin, data, seed=seed, progress=False, **settings)
+        assert [list(e) for e in history.epochs] == [list(e) for e in expected.epochs]  # the same keys, in order
+        for key in ("val_loss", "val_acc"):
+            assert history[key] == pytest.approx(expected[key], rel=1e-9)
+    assert histories[0]["val_loss"] != histories[1]["val_loss"]
+
+
 def test_trackers_see_each_seed_as_fit_shows_it():
     """A tracker of each model's weights, of its held-out accuracy (an evaluation in the middle of training,
     BatchNorm included) and of the step's loss records what it records under fit, at the same steps."""
@@ -96,10 +112,117 @@ def test_trackers_see_each_seed_as_fit_shows_it():
             torch.testing.assert_close(_state(model)[name], value, rtol=1e-9, atol=1e-9, msg=name)
 
 
-def test_only_trackers_are_taken_as_callbacks():
+REGULARIZERS = {
+    "orthonormality": lambda net: Orthonormality(net, beta=1e-2),
+    "orthogonality": lambda net: Orthogonality(net, beta=1e-2),
+    "convolutional similarity": lambda net: ConvSimilarity(net, beta=1e-2),
+    "MHE, half-space": lambda net: MHE(net, s=2.0, half_space=True, beta_hidden=1e-2, beta_output=1e-2),
+    **{f"CoMHE, {variant}": partial(lambda net, variant: CoMHE(net, variant, beta_hidden=1e-2, beta_output=1e-2,
+                                                                seed=4), variant=variant)
+       for variant in ("random", "random_max", "group", "bilateral")},
+}
+
+
+@pytest.mark.parametrize("name", REGULARIZERS)
+def test_a_regularizer_bound_to_the_first_model_regularizes_each_seed_as_fit_does(name):
+    data, seeds = _data(), [3, 7]
+    together, alone = [_cnn(s) for s in seeds], [_cnn(s) for s in seeds]
+    settings = dict(epochs=2, batch_size=40, optimizer="sgd", lr=0.05, device="cpu")
+    with warnings.catch_warnings():  # every operation of the penalty has a batching rule
+        warnings.simplefilter("error", UserWarning)
+        histories = fit_seeds(together, data, seeds=seeds, regularizer=REGULARIZERS[name](together[0]), **settings)
+    for model, twin, seed, history in zip(together, alone, seeds, histories):
+        expected = fit(twin, data, seed=seed, progress=False, regularizer=REGULARIZERS[name](twin), **settings)
+        assert history["reg"] == pytest.approx(expected["reg"], rel=1e-9) and history["reg"][0] > 0
+        assert history.steps == pytest.approx(expected.steps, rel=1e-9)
+        for key, value in _state(twin).items():
+            torch.testing.assert_close(_state(model)[key], value, rtol=1e-9, atol=1e-9, msg=key)
+    with pytest.raises(ValueError, match="bound to models\\[0\\]"):
+        fit_seeds(together, data, seeds=seeds, regularizer=REGULARIZERS[name](together[1]), **settings)
+
+
+@pytest.mark.parametrize("variant", ["random", "angle", "adversarial"])
+def test_each_seed_can_have_its_own_regularizer(variant):
+    """One CoMHE per model, its projections seeded by the run and (angle, adversarial) fitted to its own weights at
+    every step: each seed ends where fit ends it with that regulariser."""
+    data, seeds = _data(), [3, 7]
+    together, alone = [_cnn(s) for s in seeds], [_cnn(s) for s in seeds]
+    settings = dict(epochs=2, batch_size=40, optimizer="sgd", lr=0.05, device="cpu")
+
+    def comhe(net, seed):
+        return CoMHE(net, variant, num_proj=2, beta_hidden=1e-2, beta_output=1e-2, seed=seed)
+
+    histories = fit_seeds(together, data, seeds=seeds, regularizer=[comhe(m, s) for m, s in zip(together, seeds)],
+                          **settings)
+    for model, twin, seed, history in zip(together, alone, seeds, histories):
+        expected = fit(twin, data, seed=seed, progress=False, regularizer=comhe(twin, seed), **settings)
+        assert history["reg"] == pytest.approx(expected["reg"], rel=1e-9) and history["reg"][0] > 0
+        for key, value in _state(twin).items():
+            torch.testing.assert_close(_state(model)[key], value, rtol=1e-9, atol=1e-9, msg=key)
+    if variant != "random":  # one regulariser for every seed: its P would follow the first seed's weights
+        with pytest.raises(ValueError, match="before_step reads the weights"):
+            fit_seeds(together, data, seeds=seeds, regularizer=comhe(together[0], 0), **settings)
+    with pytest.raises(ValueError, match="regularizer 1 is not bound to models\\[1\\]"):
+        fit_seeds(together, data, seeds=seeds, regularizer=[comhe(together[0], 0)] * 2, **settings)
+    with pytest.raises(ValueError, match="one per model"):
+        fit_seeds(together, data, seeds=seeds, regularizer=[comhe(together[0], 0)], **settings)
+
+
+def test_rotation_training_trains_its_seeds_together():
+    """OPT's parametrised layers (a Gram-Schmidt rotation of fixed neurons, chapter 7's rotation baseline) under
+    fit_seeds: the orthogonaliser is batched like any other operation."""
+    def rotated(seed):
+        net, generator = _cnn(seed), torch.Generator().manual_seed(seed)
+        for layer in select_layers(net, include_output=False):
+            opt.orthogonal_overparameterize(layer, "gs", generator=generator, raw_std=layer.weight[0].numel() ** -0.5)
+        return net
+
+    data, seeds = _data(), [3, 7]
+    together, alone = [rotated(s) for s in seeds], [rotated(s) for s in seeds]
+    settings = dict(epochs=1, batch_size=40, optimizer="sgd", lr=0.1, momentum=0.9, device="cpu")
+    fit_seeds(together, data, seeds=seeds, **settings)
+    for model, twin, seed in zip(together, alone, seeds):
+        fit(twin, data, seed=seed, progress=False, **settings)
+        for key, value in _state(twin).items():
+            torch.testing.assert_close(_state(model)[key], value, rtol=1e-9, atol=1e-9, msg=key)
+
+
+def test_weight_projection_acts_on_the_stack_as_fit_calls_it():
+    """Decoupled networks trained with weight projection (every second step) and a tracker of the kernel norms after
+    it end where fit ends them seed by seed; the projection is one operation per layer for all seeds."""
+    data, seeds = _data(), [3, 7, 11]
+    body = "decoupled TanhConv x sigmoid, radius norm"
+    together, alone = [_cnn(s, body=body) for s in seeds], [_cnn(s, body=body) for s in seeds]
+
+    def callbacks(model):
+        return [WeightProjection(2), Tracker(lambda state, m=model: mean_kernel_norm(m), 1)]
+
+    settings = dict(epochs=2, batch_size=40, optimizer="sgd", lr=0.5, device="cpu")
+    calls = [callbacks(m) for m in together]
+    fit_seeds(together, data, seeds=seeds, callbacks=calls, **settings)
+    for model, twin, seed, mine in zip(together, alone, seeds, calls):
+        theirs = callbacks(twin)
+        fit(twin, data, seed=seed, progress=False, callbacks=theirs, **settings)
+        assert mine[1].values == pytest.approx(theirs[1].values, rel=1e-9)
+        assert mine[1].values[1] == pytest.approx(1.0) and mine[1].values[2] != pytest.approx(1.0)  # steps 2 and 3
+        for name, value in _state(twin).items():
+            torch.testing.assert_close(_state(model)[name], value, rtol=1e-9, atol=1e-9, msg=name)
+    params, _ = stack_state(together)
+    ops = launches.count_ops(lambda: WeightProjection().stacked(1, together[0], params))
+    assert ops.total == launches.count_ops(lambda: project_weights(alone[0])).total  # three seeds as one model
+
+
+@pytest.mark.parametrize("calls,why", [
+    ([[print], []], "a plain function"),
+    ([[WeightProjection(2)], [WeightProjection(3)]], "projections that differ between models"),
+    ([[Tracker(float, 1), WeightProjection()], [Tracker(float, 1), WeightProjection()]], "a projection after a "
+     "tracker (fit would call it second)"),
+])
+def test_callbacks_fit_seeds_cannot_run_as_fit_does_are_refused(calls, why):
     nets, data = [_cnn(0), _cnn(1)], _data(n=16)
-    with pytest.raises(ValueError, match="Tracker callbacks only"):
-        fit_seeds(nets, data, seeds=[0, 1], epochs=1, callbacks=[[print], []], device="cpu")
+    assert stacked_callbacks(calls) is None, why
+    with pytest.raises(ValueError, match="fit_seeds takes Tracker callbacks, and callbacks with a stacked"):
+        fit_seeds(nets, data, seeds=[0, 1], epochs=1, callbacks=calls, device="cpu")
     with pytest.raises(ValueError, match="one list per model"):
         fit_seeds(nets, data, seeds=[0, 1], epochs=1, callbacks=[[]], device="cpu")
 
@@ -126,20 +249,26 @@ def test_fit_seeds_takes_a_margin_head_and_a_custom_loss():
     assert histories[0]["train_acc"] == [None] and histories[0]["train_loss"][0] > 0
 
 
-def test_a_step_launches_as_many_operations_for_four_seeds_as_for_two():
+@pytest.mark.parametrize("regularizer", [None, "HS-MHE"])
+def test_a_step_launches_as_many_operations_for_four_seeds_as_for_two(regularizer):
     data = _data(n=32)
+    bind = (lambda net: MHE(net, half_space=True, beta_hidden=1e-2, beta_output=1e-2)) if regularizer else None
 
     def one_epoch(n_seeds):  # an epoch of one step: two epochs' operations minus one's (stacking the state apart)
         nets = [_cnn(s) for s in range(n_seeds)]
         return [launches.count_ops(lambda: fit_seeds(nets, data, seeds=list(range(n_seeds)), epochs=epochs,
-                                                     batch_size=32, device="cpu")).total for epochs in (2, 1)]
+                                                     batch_size=32, device="cpu",
+                                                     regularizer=bind and bind(nets[0]))).total for epochs in (2, 1)]
 
     two, four = (two_epochs - one_epoch_ for two_epochs, one_epoch_ in (one_epoch(2), one_epoch(4)))
-    alone = [launches.count_ops(lambda: fit(_cnn(0), data, seed=0, epochs=epochs, batch_size=32, device="cpu",
-                                            progress=False)).total for epochs in (2, 1)]
+    net = _cnn(0)
+    alone = [launches.count_ops(lambda: fit(net, data, seed=0, epochs=epochs, batch_size=32, device="cpu",
+                                            progress=False, regularizer=bind and bind(net))).total
+             for epochs in (2, 1)]
     alone = alone[0] - alone[1]
     # per extra seed only its data order is drawn and its batch cut (randperm and one index per tensor): no
-    # operation of the network, its loss or the optimiser is repeated (one seed alone takes a few views fewer)
+    # operation of the network, its loss, the regulariser or the optimiser is repeated (one seed alone takes a few
+    # views fewer)
     assert four - two == 2 * 3, (two, four)
     # vmap's batching rules add some (batched products for the linear layers, the loss's gather and scatter): four
     # seeds' step takes 1.5 times one seed's operations (305 against 203 in torch 2.13), not four times
@@ -153,12 +282,12 @@ def test_the_stacked_step_reads_nothing_on_the_host():
     from sphereml.train import default_loss
 
     params, buffers = stack_state(nets)
-    step = _stacked_step(_Objective(nets[0], default_loss), [])
+    step = _stacked_step(_Objective(nets[0], default_loss, MHE(nets[0], beta_hidden=1e-2, beta_output=1e-2)), [])
     x = torch.stack([data.tensors[0][:16]] * 2)
     y = torch.stack([data.tensors[1][:16]] * 2)
     with launches.no_host_sync():
-        loss, logits = step(params, buffers, x, y)
-        loss.sum().backward()
+        loss, logits, penalty = step(params, buffers, x, y)
+        (loss + penalty).sum().backward()
     assert loss.shape == (2,) and logits.shape == (2, 16, 4)
 
 
@@ -255,15 +384,25 @@ def test_bad_arguments_are_named():
 
 
 @pytest.mark.needs_cuda
-@pytest.mark.parametrize("body", ["CNN-3 with BatchNorm", "SphereNet-3, sigmoid with learned k",
-                                  "SCS, learned p and q"])
-def test_fit_seeds_on_cuda_matches_fit_seed_by_seed(body):
+@pytest.mark.parametrize("body,extra", [("CNN-3 with BatchNorm", None), ("SphereNet-3, sigmoid with learned k", None),
+                                        ("SCS, learned p and q", None), ("CNN-3 with BatchNorm", "HS-MHE"),
+                                        ("decoupled TanhConv x sigmoid, radius norm", "projection")])
+def test_fit_seeds_on_cuda_matches_fit_seed_by_seed(body, extra):
     data, seeds = _data(n=256), [0, 1, 2]
     data32 = TensorDataset(data.tensors[0].float(), data.tensors[1])
     together, alone = [_cnn(s, body=body).float() for s in seeds], [_cnn(s, body=body).float() for s in seeds]
     settings = dict(epochs=1, batch_size=64, optimizer="sgd", lr=0.01, momentum=0.0, device="cuda")
-    fit_seeds(together, data32, seeds=seeds, **settings)  # SGD: Adam would turn rounding-only gradients into steps
+
+    def extras(model, stacked=False):  # a regulariser bound to the (first) model, or one list of callbacks per model
+        if extra == "HS-MHE":
+            return {"regularizer": MHE(model, half_space=True, beta_hidden=1e-2, beta_output=1e-2)}
+        if extra == "projection":
+            return {"callbacks": [[WeightProjection()] for _ in seeds] if stacked else [WeightProjection()]}
+        return {}
+
+    # SGD: Adam would turn rounding-only gradients into steps
+    fit_seeds(together, data32, seeds=seeds, **extras(together[0], stacked=True), **settings)
     for model, twin, seed in zip(together, alone, seeds):
-        fit(twin, data32, seed=seed, progress=False, **settings)
+        fit(twin, data32, seed=seed, progress=False, **extras(twin), **settings)
         for name, value in _state(twin).items():  # float32 (TF32 convolutions), batched kernels against single ones
             torch.testing.assert_close(_state(model)[name], value, rtol=1e-3, atol=1e-4, msg=name)

@@ -180,10 +180,19 @@ def _run_tiny(name: str, profile: str, monkeypatch, tmp_path) -> dict:
 @pytest.mark.parametrize("name", CHAPTERS)
 def test_chapter_gpu_paths_run_tiny(name, offline_smoke, monkeypatch, tmp_path):
     """The gpu profile's own code (CIFAR sections, its branches) at the smoke profile's sizes and seeds, on this
-    CPU (SPHEREML_GPU_TINY=1, :class:`sphereml.book.chapter.Chapter`): CI proves it executes before a GPU runs it."""
+    CPU (SPHEREML_GPU_TINY=1, :class:`sphereml.book.chapter.Chapter`): CI proves it executes before a GPU runs it,
+    with the seeds of its comparisons trained together where they train alike (book/reproducing.md)."""
     metrics = _run_tiny(name, "gpu", monkeypatch, tmp_path)
     skipped = [k for k in metrics if k.startswith("cifar") and k.endswith("_skipped")]
     assert not skipped, f"{name} skipped {skipped}: the tiny CIFAR stands in for the archive"
+    together = sum(1 for f in metrics["fits"] if f.get("together"))
+    assert together == TOGETHER_TINY.get(name, 0), f"{name}: {together} trainings with their seeds together"
+
+
+# Trainings of a tiny gpu run (two seeds) whose seeds train together: a callback or a setting that sent a comparison
+# back to one network at a time would change these counts.
+TOGETHER_TINY = {"01_hypersphere": 4, "02_large_margin": 20, "03_spherenet": 16, "04_decoupled": 40,
+                 "05_sharpened_cosine": 28, "06_mhe": 18, "07_comhe": 36, "08_convsim": 10}
 
 
 @pytest.mark.notebook

@@ -16,13 +16,17 @@ same generator per epoch), and BatchNorm updates its running statistics in its o
 So ``fit_seeds(models, data, seeds=[a, b])`` ends where ``fit(models[0], data, seed=a)`` and ``fit(models[1], data,
 seed=b)`` end, up to float rounding (``tests/test_multiseed.py`` checks it in float64). Trackers
 (:class:`~sphereml.train.Tracker`) see each seed's model as ``fit`` shows it: at a step where one records, the
-stacked state is first copied into the models. What it leaves out is what would couple or serialise the seeds:
-regularisers, other callbacks, per-epoch validation, checkpoints, and random layers (dropout draws its noise per
-seed, but not from ``fit``'s stream). Every operation needs a batching rule: PyTorch's layers and losses have them,
-and so have our hand-written backward passes, written in the form ``torch.func`` batches (``setup_context``,
-``generate_vmap_rule``): the margin heads' weight-normalised product, the patch layers' (SphereConv, SCS, the
-decoupled operators) and the angular functions'. The fused Triton kernels of a GPU (``SPHEREML_FUSED=1``: the patch
-epilogue, the margin cross-entropy) have none, and a network that reaches one is refused by name.
+stacked state is first copied into the models; a callback that acts on the weights alike for every seed (weight
+projection, ``stacked``) acts on the stack. A regulariser bound to the first model is evaluated with each seed's
+weights (the stacked step swaps them into the model's layers); a list of regularisers, one bound to each model, keeps
+each seed's own state (CoMHE's projections), each evaluated on its seed's weights one after another; and per-epoch
+validation evaluates each model in turn. What it leaves out is what would couple or serialise the seeds: other
+callbacks, checkpoints, and random layers (dropout draws its noise per seed, but not from ``fit``'s stream). Every
+operation needs a batching rule: PyTorch's layers and losses have them, and so have our hand-written backward passes,
+written in the form ``torch.func`` batches (``setup_context``, ``generate_vmap_rule``): the margin heads'
+weight-normalised product, the patch layers' (SphereConv, SCS, the decoupled operators), the angular functions' and
+MHE's batched energy. The fused Triton kernels of a GPU (``SPHEREML_FUSED=1``: the patch epilogue, the margin
+cross-entropy) have none, and a network that reaches one is refused by name.
 """
 
 from __future__ import annotations
@@ -36,10 +40,10 @@ from torch.func import functional_call, vmap
 from torch.utils.data import Dataset
 
 from ._checks import integer, real_number
-from .train import (History, LossFn, StepState, Tracker, batches, default_loss, make_optimizer, on_device,
-                    resolve_device)
+from .train import (History, LossFn, StepState, Tracker, batches, default_loss, evaluate,
+                    make_optimizer, on_device, penalty_of, resolve_device)
 
-__all__ = ["fit_seeds", "stack_state", "unstack_state"]
+__all__ = ["fit_seeds", "stack_state", "unstack_state", "stacked_callbacks"]
 
 OPTIMIZERS = ("sgd", "adam")
 
@@ -92,24 +96,27 @@ def unstack_state(models: Sequence[nn.Module], params: dict[str, Tensor], buffer
 
 
 class _Objective(nn.Module):
-    """``loss_fn(model, x, y)`` as a module's forward, so that ``functional_call`` can swap the model's state."""
+    """``loss_fn(model, x, y)`` and the regulariser's penalty as a module's forward, so that ``functional_call`` can
+    swap the model's state: a regulariser bound to the model's layers then reads the seed's weights."""
 
-    def __init__(self, model: nn.Module, loss_fn: LossFn):
+    def __init__(self, model: nn.Module, loss_fn: LossFn, regularizer):
         super().__init__()
-        self.model, self.loss_fn = model, loss_fn
+        self.model, self.loss_fn, self.regularizer = model, loss_fn, regularizer
 
     def forward(self, x: Tensor, y: Tensor):
-        return self.loss_fn(self.model, x, y)
+        loss, logits = self.loss_fn(self.model, x, y)
+        penalty = penalty_of(self.regularizer)
+        return loss, logits, loss.new_zeros(()) if penalty is None else penalty
 
 
 def _stacked_step(objective: _Objective, has_logits: list) -> Callable:
-    """``(params, buffers, x, y) -> (loss per seed, logits per seed)``, the seeds along the first dimension."""
+    """``(params, buffers, x, y) -> (loss, logits, penalty)`` per seed, the seeds along the first dimension."""
 
     def one_seed(params, buffers, x, y):
         state = {f"model.{name}": value for name, value in (*params.items(), *buffers.items())}
-        loss, logits = functional_call(objective, state, (x, y), strict=True)
+        loss, logits, penalty = functional_call(objective, state, (x, y), strict=True)
         has_logits[:] = [logits is not None]  # known when the function is traced, before any result is read
-        return loss, (loss.new_zeros(0) if logits is None else logits)
+        return loss, (loss.new_zeros(0) if logits is None else logits), penalty
 
     return vmap(one_seed, randomness="different")
 
@@ -117,8 +124,8 @@ def _stacked_step(objective: _Objective, has_logits: list) -> Callable:
 def fit_seeds(models: Sequence[nn.Module], train_data: Dataset, *, seeds: Sequence[int], epochs: int,
               batch_size: int = 128, lr: float = 1e-3, optimizer: str = "adam", weight_decay: float = 0.0,
               momentum: float = 0.9, scheduler: Callable | None = None, loss_fn: LossFn | None = None,
-              callbacks: Sequence[Sequence[Tracker]] | None = None, device: str | torch.device = "auto"
-              ) -> list[History]:
+              regularizer: Callable[[], Tensor] | None = None, callbacks: Sequence[Sequence] | None = None,
+              val_data: Dataset | None = None, device: str | torch.device = "auto") -> list[History]:
     """Train ``models[i]`` as ``fit(models[i], train_data, seed=seeds[i], ...)`` would, all in one batched step
     (Note [fit_seeds is fit, seed by seed]).
 
@@ -127,20 +134,35 @@ def fit_seeds(models: Sequence[nn.Module], train_data: Dataset, *, seeds: Sequen
         train_data (Dataset): as for :func:`~sphereml.train.fit` (a TensorDataset, or one with ``device_batches``).
         seeds: one per model: its data order, as ``fit``'s ``seed``.
         epochs, batch_size, lr, weight_decay, momentum, scheduler, loss_fn, device: as for ``fit``.
+        regularizer: as for ``fit``, either one bound to ``models[0]`` (e.g. ``MHE(models[0])``), whose penalty is
+            evaluated with each seed's weights in the batched step and whose ``before_step`` runs once per step for
+            all seeds (every operation of the penalty needs a batching rule: the orthogonality penalties, the
+            convolutional similarity and MHE's batched energy have them); or a list with one per model, each bound
+            to its model (its own state, e.g. CoMHE's projections seeded by the run), evaluated one after another on
+            its seed's weights, ``before_step`` first.
         optimizer (str): ``"sgd"`` or ``"adam"`` (element-wise updates, so one optimiser serves every seed).
-        callbacks: one list of :class:`~sphereml.train.Tracker` per model, called as ``fit`` calls them.  At a step
-            where one of them records, every model is first given its current weights and buffers (one copy per
-            tensor), so a tracker may read or evaluate its model; its state's optimiser is the stacked one.
+        callbacks: one list per model, called as ``fit`` calls them (:func:`stacked_callbacks`).  Trackers
+            (:class:`~sphereml.train.Tracker`): at a step where one of them records, every model is first given its
+            current weights and buffers (one copy per tensor), so a tracker may read or evaluate its model; its
+            state's optimiser is the stacked one.  A callback with a ``stacked`` method, alike in every list,
+            runs once per step on the stacked parameters (``stacked(step, models[0], params)``).
+        val_data (Dataset, optional): as for ``fit``: each model evaluated after each epoch (``val_loss``,
+            ``val_acc``), given its seed's weights first.
 
     Returns:
         One :class:`~sphereml.train.History` per model: its steps' losses and, per epoch, train_loss, train_acc (when
-        the loss gives logits), reg (0) and the epoch's seconds (shared by the seeds).
+        the loss gives logits), reg (the mean penalty), val_loss and val_acc (with ``val_data``) and the epoch's
+        seconds (shared by the seeds).
 
     Raises:
         ValueError: no model, a number of seeds that is not the number of models, models of different
-            architectures, an optimiser other than ``"sgd"`` or ``"adam"``, or a bad size or rate.
+            architectures, an optimiser other than ``"sgd"`` or ``"adam"``, a regulariser bound to other layers than
+            ``models[0]``'s or whose state follows the weights, a list of regularisers that is not one bound to each
+            model, callbacks it cannot run as ``fit`` does, or a bad size or rate.
     """
     _check_same_architecture(models)
+    one_each = isinstance(regularizer, (list, tuple))
+    _check_bound(regularizer, models)
     if len(models) != len(seeds):
         raise ValueError(f"fit_seeds needs one seed per model, got {len(models)} models and {len(seeds)} seeds")
     for seed in seeds:
@@ -150,7 +172,7 @@ def fit_seeds(models: Sequence[nn.Module], train_data: Dataset, *, seeds: Sequen
     real_number("lr", lr, above=0.0)
     if optimizer not in OPTIMIZERS:  # a callable's update may mix elements, and so seeds
         raise ValueError(f"optimizer must be one of {OPTIMIZERS} (element-wise, so one per seed), got {optimizer!r}")
-    callbacks = _check_trackers(callbacks, len(models))
+    shared, callbacks = _check_callbacks(callbacks, len(models))
     dev = resolve_device(device)
     for model in models:
         model.to(dev)
@@ -160,7 +182,8 @@ def fit_seeds(models: Sequence[nn.Module], train_data: Dataset, *, seeds: Sequen
     opt = make_optimizer(optimizer, trainable, lr, weight_decay, momentum)
     sched = scheduler(opt) if scheduler is not None else None
     has_logits: list = []
-    step = _stacked_step(_Objective(models[0], loss_fn or default_loss), has_logits)
+    step = _stacked_step(_Objective(models[0], loss_fn or default_loss, None if one_each else regularizer),
+                         has_logits)
     train_data = on_device(train_data, dev)
     torch.manual_seed(seeds[0])  # random layers draw from here (not fit's streams: Note [fit_seeds is fit, ...])
     histories = [History() for _ in models]
@@ -168,12 +191,15 @@ def fit_seeds(models: Sequence[nn.Module], train_data: Dataset, *, seeds: Sequen
         t0 = time.perf_counter()
         for model in models:
             model.train()  # as fit: the first model's forward runs, the others' mode follows it
-        losses, sizes, correct = [], [], torch.zeros(len(models), dtype=torch.long, device=dev)
+        losses, penalties, sizes = [], [], []
+        correct = torch.zeros(len(models), dtype=torch.long, device=dev)
         orders = [torch.Generator().manual_seed(seed * 1_000_003 + epoch) for seed in seeds]  # as fit draws them
         for per_seed in zip(*(batches(train_data, batch_size, True, order) for order in orders)):
             x, y = (torch.stack(parts).to(dev, non_blocking=True) for parts in zip(*per_seed))
+            if hasattr(regularizer, "before_step"):
+                regularizer.before_step()  # as fit: per-step state, shared by the seeds as fit's runs share it
             try:
-                loss, logits = step(params, buffers, x, y)
+                loss, logits, penalty = step(params, buffers, x, y)
             except RuntimeError as error:
                 if "setup_context" not in str(error):
                     raise
@@ -181,35 +207,113 @@ def fit_seeds(models: Sequence[nn.Module], train_data: Dataset, *, seeds: Sequen
                                  "backward without a vmap rule (a fused kernel of SPHEREML_FUSED=1: the patch "
                                  "epilogue or the margin cross-entropy); train its seeds with fit") from error
             opt.zero_grad(set_to_none=True)
-            loss.sum().backward()  # the seeds do not interact: each slice gets its own loss's gradient
+            if one_each:  # zeros from the stacked step, then each seed's own regulariser
+                penalty = penalty + _seed_penalties(regularizer, models, params)
+            (loss + penalty).sum().backward()  # the seeds do not interact: each slice gets its own gradient
             opt.step()
             losses.append(loss.detach().double())
+            penalties.append(penalty.detach().double())
             sizes.append(y.shape[1])
             if has_logits[0]:
                 correct += (logits.argmax(-1) == y).sum(1)
             step_count += 1
+            for callback in shared:
+                callback.stacked(step_count, models[0], params)
             _call_trackers(callbacks, step_count, epoch, losses[-1], models, opt, params, buffers)
         if sched is not None:
             sched.step()
-        _record(histories, losses, sizes, correct if has_logits and has_logits[0] else None,
-                epoch, time.perf_counter() - t0)
+        _record(histories, losses, penalties, sizes, correct if has_logits and has_logits[0] else None, epoch)
+        if val_data is not None:
+            _validate(histories, models, params, buffers, val_data, max(batch_size, 512), dev, loss_fn)
+        for history in histories:
+            history.epochs[-1]["seconds"] = time.perf_counter() - t0
     unstack_state(models, params, buffers)
     for model in models:
         model._sphereml_stats_fresh = False  # the weights moved: running statistics lag (sphereml.recalibration)
     return histories
 
 
-def _check_trackers(callbacks, count: int) -> list[list[Tracker]]:
-    """One list of trackers per model (empty when None); any other callback is refused by name."""
+def _check_bound(regularizer, models: Sequence[nn.Module]) -> None:
+    """One regulariser bound to the first model (those layers the stacked step swaps), its per-step state
+    independent of the weights (one state serves every seed); or one per model, each bound to its model."""
+    if isinstance(regularizer, (list, tuple)):
+        if len(regularizer) != len(models):
+            raise ValueError(f"regularizer needs one per model, got {len(regularizer)} for {len(models)} models")
+        for i, (reg, model) in enumerate(zip(regularizer, models)):
+            if reg is None or not _bound_to(reg, model):
+                raise ValueError(f"regularizer {i} is not bound to models[{i}]")
+        return
+    if not _bound_to(regularizer, models[0]):
+        raise ValueError("fit_seeds needs the regularizer bound to models[0] (its layers are evaluated with each "
+                         "seed's weights), or a list with one per model; it is bound to another network")
+    if getattr(regularizer, "state_from_weights", False):
+        raise ValueError(f"{type(regularizer).__name__}'s before_step reads the weights (angle-fitted or "
+                         "adversarial projections), so each seed needs its own: give a list, one per model")
+
+
+def _bound_to(regularizer, model: nn.Module) -> bool:
+    """Whether a regulariser that names its layers (``layers``) names only layers of ``model``."""
+    modules = set(model.modules())
+    return all(layer in modules for layer in getattr(regularizer, "layers", []))
+
+
+class _Penalty(nn.Module):
+    """A regulariser bound to ``model`` as a module's forward (``before_step`` first when asked), so that
+    ``functional_call`` can give the model one seed's weights."""
+
+    def __init__(self, model: nn.Module, regularizer):
+        super().__init__()
+        self.model, self.regularizer = model, regularizer
+
+    def forward(self, before_step: bool) -> Tensor | None:
+        if before_step:
+            return self.regularizer.before_step()
+        return penalty_of(self.regularizer)
+
+
+def _seed_penalties(regularizers, models, params: dict[str, Tensor]) -> Tensor:
+    """Tensor[S]: each seed's own regulariser on its slice of the stacked weights (its ``before_step`` on their
+    values first, as ``fit`` calls it), one seed after another."""
+    penalties = []
+    for i, (regularizer, model) in enumerate(zip(regularizers, models)):
+        call = _Penalty(model, regularizer)
+        if hasattr(regularizer, "before_step"):
+            functional_call(call, {f"model.{n}": p[i].detach() for n, p in params.items()}, (True,), strict=False)
+        penalties.append(functional_call(call, {f"model.{n}": p[i] for n, p in params.items()}, (False,),
+                                         strict=False))
+    return torch.stack(penalties)
+
+
+def stacked_callbacks(callbacks) -> list | None:
+    """The callbacks :func:`fit_seeds` runs once for the whole stack, or ``None`` where it cannot take ``callbacks``
+    (one list per model).  It takes :class:`~sphereml.train.Tracker` objects (each with its own model), and
+    callbacks with a ``stacked(step, model, params)`` method (such as
+    :class:`~sphereml.layers.decoupled_training.WeightProjection`) that come before any tracker and are equal in
+    every model's list: they change the stacked parameters of every seed at once, as ``fit`` calls them."""
     if callbacks is None:
-        return [[] for _ in range(count)]
+        return []
+    per_model = []
+    for calls in map(list, callbacks):
+        others = [c for c in calls if not isinstance(c, Tracker)]
+        if any(not hasattr(c, "stacked") for c in others) or calls[:len(others)] != others:
+            return None
+        per_model.append(others)
+    if any(others != per_model[0] for others in per_model[1:]):
+        return None
+    return per_model[0] if per_model else []
+
+
+def _check_callbacks(callbacks, count: int) -> tuple[list, list[list[Tracker]]]:
+    """``(callbacks run on the stack, one list of trackers per model)``; anything else is refused by name."""
+    if callbacks is None:
+        return [], [[] for _ in range(count)]
     if len(callbacks) != count:
         raise ValueError(f"callbacks needs one list per model, got {len(callbacks)} for {count} models")
-    for calls in callbacks:
-        for call in calls:
-            if not isinstance(call, Tracker):
-                raise ValueError(f"fit_seeds takes Tracker callbacks only (it knows their steps), got {call!r}")
-    return [list(calls) for calls in callbacks]
+    shared = stacked_callbacks(callbacks)
+    if shared is None:
+        raise ValueError("fit_seeds takes Tracker callbacks, and callbacks with a stacked(step, model, params) "
+                         "method listed first and alike for every model; got " + repr(list(map(list, callbacks))))
+    return shared, [[c for c in calls if isinstance(c, Tracker)] for calls in callbacks]
 
 
 def _call_trackers(callbacks, step: int, epoch: int, losses: Tensor, models, opt, params, buffers) -> None:
@@ -222,14 +326,26 @@ def _call_trackers(callbacks, step: int, epoch: int, losses: Tensor, models, opt
             tracker(StepState(step=step, epoch=epoch, loss_tensor=losses[i], model=model, optimizer=opt))
 
 
-def _record(histories: list[History], losses: list[Tensor], sizes: list[int], correct: Tensor | None,
-            epoch: int, seconds: float) -> None:
-    """Each seed's epoch record, from its steps' losses (read back once per epoch, one device sync)."""
-    values = torch.stack(losses).T.tolist() if losses else [[] for _ in histories]  # [seed][step]
-    counts = correct.tolist() if correct is not None else [None] * len(histories)
-    seen = sum(sizes)
-    for history, steps, right in zip(histories, values, counts):
+def _record(histories: list[History], losses: list[Tensor], penalties: list[Tensor], sizes: list[int],
+            correct: Tensor | None, epoch: int) -> None:
+    """Each seed's epoch record, from its steps' losses and penalties (read back once per epoch, one device sync)."""
+    count = len(histories)
+    both = torch.stack([torch.stack(losses), torch.stack(penalties)]).permute(2, 0, 1).tolist() if losses else \
+        [[[], []] for _ in histories]  # [seed][loss or penalty][step]
+    counts = correct.tolist() if correct is not None else [None] * count
+    seen = max(sum(sizes), 1)
+    for history, (steps, regs), right in zip(histories, both, counts):
         history.steps.extend(steps)
         history.epochs.append({
-            "epoch": epoch + 1, "train_loss": sum(v * n for v, n in zip(steps, sizes)) / max(seen, 1),
-            "train_acc": right / max(seen, 1) if right is not None else None, "reg": 0.0, "seconds": seconds})
+            "epoch": epoch + 1, "train_loss": sum(v * n for v, n in zip(steps, sizes)) / seen,
+            "train_acc": right / seen if right is not None else None,
+            "reg": sum(v * n for v, n in zip(regs, sizes)) / seen})
+
+
+def _validate(histories: list[History], models, params, buffers, val_data: Dataset, batch_size: int,
+              device: torch.device, loss_fn: LossFn | None) -> None:
+    """``fit``'s end-of-epoch evaluation of each model, given its seed's current state first."""
+    unstack_state(models, params, buffers)
+    for history, model in zip(histories, models):
+        val = evaluate(model, val_data, batch_size=batch_size, device=device, loss_fn=loss_fn)
+        history.epochs[-1].update(val_loss=val["loss"], val_acc=val["accuracy"])

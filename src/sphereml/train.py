@@ -43,6 +43,7 @@ from ._checks import integer, real_number
 __all__ = [
     "seed_everything", "resolve_device", "fit", "evaluate", "collect_outputs",
     "History", "StepState", "Tracker", "default_loss", "num_steps", "on_device", "batches", "make_optimizer",
+    "penalty_of",
 ]
 
 DEVICES = ("auto", "cpu", "cuda")
@@ -313,7 +314,7 @@ def fit(model: nn.Module, train_data: Dataset, *, epochs: int, batch_size: int =
             if len(y):
                 loss, logits, reg = step_objective(x, y)
             else:  # more ranks than samples left in the last batch
-                loss, logits, reg = x.new_zeros(()), None, _penalty(regularizer)
+                loss, logits, reg = x.new_zeros(()), None, penalty_of(regularizer)
             if world is None:
                 objective = loss if reg is None else loss + reg
             else:
@@ -370,8 +371,8 @@ def fit(model: nn.Module, train_data: Dataset, *, epochs: int, batch_size: int =
     return history
 
 
-def _penalty(regularizer) -> Tensor | None:
-    """A Regularizer's weighted penalty (its state stepped by ``before_step``), or a callable's value."""
+def penalty_of(regularizer) -> Tensor | None:
+    """A Regularizer's weighted penalty (its state stepped apart, by ``before_step``), a callable's value, or None."""
     if regularizer is None:
         return None
     return regularizer.weighted_penalty() if hasattr(regularizer, "weighted_penalty") else regularizer()
@@ -386,7 +387,7 @@ def _step_objective(model: nn.Module, loss_fn: LossFn, regularizer, compile) -> 
         raise ValueError(f"compile must be one of {COMPILE_MODES}, got {compile!r}")
 
     def objective(x: Tensor, y: Tensor):
-        return (*loss_fn(model, x, y), _penalty(regularizer))
+        return (*loss_fn(model, x, y), penalty_of(regularizer))
 
     return objective if compile is False else torch.compile(objective, mode=None if compile in (True, "default")
                                                             else compile)

@@ -42,9 +42,9 @@ from torch.utils.data import TensorDataset
 from .. import _io, data, distributed
 from . import recipes, viz
 from .._checks import integer
-from ..multiseed import fit_seeds
+from ..multiseed import fit_seeds, stacked_callbacks
 from ..recalibration import has_running_stats, recalibrate, stats_fresh
-from ..train import Tracker, collect_outputs, evaluate, fit, resolve_device, seed_everything
+from ..train import collect_outputs, evaluate, fit, resolve_device, seed_everything
 from .report import ClaimCard, VerdictTable, show
 from .verdicts import NOT_TESTABLE, verdict_name
 
@@ -259,21 +259,41 @@ class Chapter:
         self.write()
         return history
 
-    def fit_seeds(self, models, train_data, seeds, recipe: str | None = None, callbacks=None, **kwargs):
+    def fit_seeds(self, models, train_data, seeds, recipe: str | None = None, callbacks=None, make_regularizer=None,
+                  regularizers=None, **kwargs):
         """``models[i]`` trained as ``fit(models[i], seed=seeds[i])`` would be: with :meth:`fit`, one after
         another, unless :attr:`seeds_together`, then all seeds in one batched step
         (:func:`~sphereml.multiseed.fit_seeds`: every layer but the fused kernels of ``SPHEREML_FUSED=1``; Note
-        [fit_seeds is fit, seed by seed]).  ``callbacks``: one list per model; trackers go along, any other
-        callback trains the models one after another.  The metrics list one training per model, each with an
-        equal share of the time when together; :meth:`evaluate` recalibrates each model as after :meth:`fit`."""
-        for name, values in {"seeds": seeds, "callbacks": callbacks}.items():
+        [fit_seeds is fit, seed by seed]).
+
+        ``callbacks``: one list per model.  ``make_regularizer``: a function of a model that returns its
+        regulariser, alike for every seed (e.g. ``partial(MHE, s=2.0)``): the first model's serves every seed in
+        the batched step, or each model gets its own where the regulariser's state follows the weights (CoMHE's
+        angle-fitted or adversarial projections).  ``regularizers``: one per model instead, each bound to its model
+        (e.g. projections seeded by the run).  Trackers, a weight projection and regularisers go along; other
+        callbacks, a checkpoint or an optimiser given as a function train the models one after another.  The
+        metrics list one training per model, each with an equal share of the time when together; :meth:`evaluate`
+        recalibrates each model as after :meth:`fit`."""
+        for name, values in {"seeds": seeds, "callbacks": callbacks, "regularizers": regularizers}.items():
             if values is not None and len(values) != len(models):
                 raise ValueError(f"{name} needs one entry per model, got {len(values)} for {len(models)} models")
-        trackers_only = all(isinstance(c, Tracker) for calls in (callbacks or []) for c in calls)
-        if not self.seeds_together or not trackers_only or len(models) == 1:
+        if make_regularizer is not None and regularizers is not None:
+            raise ValueError("give make_regularizer (alike for every seed) or regularizers (one per model), not both")
+        if regularizers is not None and all(reg is None for reg in regularizers):
+            regularizers = None
+        together = (self.seeds_together and len(models) > 1 and stacked_callbacks(callbacks) is not None
+                    and kwargs.get("checkpoint") is None
+                    and not callable(kwargs.get("optimizer")))  # fit_seeds takes element-wise optimisers only
+        shared = make_regularizer(models[0]) if make_regularizer else None
+        if shared is not None and (not together or getattr(shared, "state_from_weights", False)):
+            regularizers, shared = [shared] + [make_regularizer(m) for m in models[1:]], None  # one per model
+        if not together:
+            regularizers = regularizers or [None] * len(models)
             callbacks = callbacks or [()] * len(models)
-            return [self.fit(model, train_data, recipe, seed=seed, callbacks=list(calls), **kwargs)
-                    for model, seed, calls in zip(models, seeds, callbacks)]
+            return [self.fit(model, train_data, recipe, seed=seed, callbacks=list(calls), regularizer=reg, **kwargs)
+                    for model, seed, calls, reg in zip(models, seeds, callbacks, regularizers)]
+        kwargs["regularizer"] = shared if shared is not None else regularizers
+        kwargs = {key: value for key, value in kwargs.items() if value is not None}
         histories = fit_seeds(models, train_data, seeds=seeds, device=self.device, callbacks=callbacks, **kwargs)
         for model, history in zip(models, histories):
             self._trained_on[model] = train_data

@@ -137,12 +137,19 @@ def _chunks(gram: Tensor) -> list[slice]:
 class _GramEnergies(torch.autograd.Function):
     """:func:`gram_energies_reference` with a hand-written backward that recomputes from the Gram matrices
     (Note [the gradient of the batched energy]): nothing N x N is saved, and on a CPU the sets go through in
-    cache-sized chunks."""
+    cache-sized chunks.  Written in the form ``torch.func`` batches (``setup_context``, ``generate_vmap_rule``), so
+    that :func:`~sphereml.multiseed.fit_seeds` can evaluate it for every seed at once."""
+
+    generate_vmap_rule = True
 
     @staticmethod
-    def forward(ctx, gram, minus, plus, s, metric, eps):
+    def setup_context(ctx, inputs, output):
+        gram, minus, plus, s, metric, eps = inputs
         ctx.save_for_backward(gram, minus, plus)
         ctx.options = (s, metric, eps)
+
+    @staticmethod
+    def forward(gram, minus, plus, s, metric, eps):
         return torch.cat([_energy_chunk(gram[c], minus[c], None if plus is None else plus[c], s, metric, eps)
                           for c in _chunks(gram)])
 

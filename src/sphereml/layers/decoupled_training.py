@@ -22,7 +22,7 @@ switches a network to the released code's radius (one per output channel).
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 
 import torch
 from torch import Tensor, nn
@@ -31,7 +31,8 @@ from .._checks import integer, one_of, real_number
 from .decoupled import decoupled_layers
 from ..train import StepState
 
-__all__ = ["AIDS", "project_weights", "WeightProjection", "weighted_gradients", "training_aid", "init_from_pretrained",
+__all__ = ["AIDS", "project_weights", "WeightProjection", "weighted_gradients", "training_aid", "training_aids",
+           "init_from_pretrained",
            "scale_kernels", "mean_kernel_norm", "radius_per_channel"]
 
 AIDS = ("standard", "projection", "weighted")  # training_aid: plain gradients, §4.4.1, eq. 4.18
@@ -64,16 +65,22 @@ def project_weights(model: nn.Module, scale: float = 1.0) -> int:
     scale = real_number("scale", scale, above=0.0)
     layers = _unweighted_layers(model, "weight projection")
     for layer in layers:
-        w = layer.weight
-        w.mul_(scale / w.flatten(1).norm(dim=1).clamp_min(layer.eps).view(-1, *([1] * (w.dim() - 1))))
+        _project(layer.weight, scale, layer.eps, lead=1)
     return len(layers)
+
+
+def _project(w: Tensor, scale: float, eps: float, lead: int) -> None:
+    """``w <- scale * w / ||w||`` in place, one norm per index of ``w``'s first ``lead`` dimensions."""
+    norms = w.flatten(lead).norm(dim=lead).clamp_min(eps)
+    w.mul_(scale / norms.view(*w.shape[:lead], *([1] * (w.dim() - lead))))
 
 
 class WeightProjection:
     """A :func:`~sphereml.train.fit` callback: :func:`project_weights` every ``every`` optimiser steps.
 
     The thesis projects "every certain number of iterations" with s = 1 and gives no period;
-    ``every=1`` (the default) projects after every step.
+    ``every=1`` (the default) projects after every step.  It also projects the stacked weights of
+    :func:`~sphereml.multiseed.fit_seeds` (:meth:`stacked`): every seed at once, one operation per layer.
     """
 
     def __init__(self, every: int = 1, scale: float = 1.0):
@@ -83,6 +90,20 @@ class WeightProjection:
     def __call__(self, state: StepState) -> None:
         if state.step % self.every == 0:
             project_weights(state.model, self.scale)
+
+    def __eq__(self, other) -> bool:
+        return type(other) is WeightProjection and (self.every, self.scale) == (other.every, other.scale)
+
+    @torch.no_grad()
+    def stacked(self, step: int, model: nn.Module, params: dict[str, Tensor]) -> None:
+        """:func:`project_weights` of every seed's kernels, ``params`` holding ``model``'s parameters stacked over
+        the seeds along a first dimension (:func:`~sphereml.multiseed.stack_state`)."""
+        if step % self.every:
+            return
+        layers = set(_unweighted_layers(model, "weight projection"))
+        for name, layer in model.named_modules():
+            if layer in layers:
+                _project(params[f"{name}.weight"], self.scale, layer.eps, lead=2)
 
 
 def weighted_gradients(model: nn.Module) -> list:
@@ -124,6 +145,14 @@ def training_aid(model: nn.Module, aid: str = "projection", every: int = 1):
     finally:
         for handle in handles:
             handle.remove()
+
+
+@contextmanager
+def training_aids(models, aid: str = "projection", every: int = 1):
+    """:func:`training_aid` for each of ``models`` (the seeds of one comparison, for
+    :func:`~sphereml.multiseed.fit_seeds`): yields one list of callbacks per model, every hook removed at the end."""
+    with ExitStack() as aids:
+        yield [aids.enter_context(training_aid(model, aid, every)) for model in models]
 
 
 @torch.no_grad()

@@ -104,6 +104,7 @@ class Regularizer:
 
     beta: float = 1.0
     layers: list[nn.Module]
+    state_from_weights: bool = False  # whether before_step reads the weights (then each seed needs its own state)
 
     def _bind(self, model: nn.Module, kinds: tuple[str, ...], include_output: bool) -> None:
         self.layers = select_layers(model, kinds, include_output)

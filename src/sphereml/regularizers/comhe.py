@@ -153,6 +153,7 @@ class CoMHE(MHE):
         if self.resample_every == "auto":  # the authors' AP code never re-initialises a fitted projection
             self.resample_every = None if self.variant in ("angle", "adversarial") else 1
         self.calls = 0
+        self.state_from_weights = self.variant in ("angle", "adversarial")  # P fitted to, or ascended on, the weights
         self._generator: torch.Generator | None = None
         self._drawn: list[Tensor] | None = None  # per compressed group: P (and the combinations for bilateral)
         self._shares: dict = {}  # (group, device, dtype) -> the pair weights of L_P
