@@ -256,6 +256,26 @@ def test_fit_seeds_gives_each_model_its_regularizer(tmp_path, monkeypatch, varia
     assert [f.get("together") for f in fits] == [2, 2, 2, 2]
     with pytest.raises(ValueError, match="not both"):
         ch.fit_seeds(nets, data, [4, 5], epochs=1, make_regularizer=make, regularizers=[make(n) for n in nets])
+    with pytest.raises(ValueError, match="give make_regularizer or regularizers"):
+        ch.fit_seeds(nets, data, [4, 5], epochs=1, regularizer=make(nets[0]))
+
+
+def test_fit_seeds_trains_alone_what_the_stacked_step_cannot_take(tmp_path, monkeypatch):
+    """Gradient hooks (weighted gradients), a setting only fit takes, a function without layers as regulariser."""
+    from sphereml.layers.decoupled import DecoupledConv2d
+    from sphereml.layers.decoupled_training import training_aids
+
+    monkeypatch.setenv("SPHEREML_SEEDS_TOGETHER", "1")
+    ch = chapter.Chapter("demo", profile="gpu", device="cpu", seed=0, output_dir=str(tmp_path))
+    data = torch.utils.data.TensorDataset(torch.randn(32, 1, 8, 8), torch.randint(0, 3, (32,)))
+    nets = [Classifier(ConvNet(1, 6, (3, 4), image_size=8, conv_layer=DecoupledConv2d), 3) for _ in range(2)]
+    with training_aids(nets, "weighted") as callbacks:
+        ch.fit_seeds(nets, data, [4, 5], callbacks=callbacks, epochs=1, batch_size=16)
+    ch.fit_seeds(nets, data, [4, 5], epochs=1, batch_size=16, progress=True)
+    ch.fit_seeds(nets, data, [4, 5], epochs=1, batch_size=16, make_regularizer=lambda m: lambda: m.head.weight.sum())
+    ch.fit_seeds(nets, data, [4, 5], epochs=1, batch_size=16)
+    fits = json.loads((tmp_path / "metrics.json").read_text())["fits"]
+    assert [f.get("together") for f in fits] == [None] * 6 + [2, 2]
 
 
 def test_a_tiny_gpu_run_takes_gpu_paths_at_smoke_sizes(tmp_path, monkeypatch):

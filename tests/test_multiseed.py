@@ -10,9 +10,11 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from sphereml import launches, models
+from sphereml.attacks import adversarial_loss
 from sphereml.heads import ArcFaceLoss, ASoftmaxLoss, LambdaSchedule
 from sphereml.layers.decoupled import DecoupledConv2d
-from sphereml.layers.decoupled_training import WeightProjection, mean_kernel_norm, project_weights
+from sphereml.layers.decoupled_training import (WeightProjection, mean_kernel_norm, project_weights,
+                                                training_aids)
 from sphereml.multiseed import fit_seeds, stack_state, stacked_callbacks, unstack_state
 from sphereml.regularizers import MHE, ConvSimilarity, Orthogonality, Orthonormality, opt, select_layers
 from sphereml.regularizers.comhe import CoMHE
@@ -185,6 +187,18 @@ def test_rotation_training_trains_its_seeds_together():
         fit(twin, data, seed=seed, progress=False, **settings)
         for key, value in _state(twin).items():
             torch.testing.assert_close(_state(model)[key], value, rtol=1e-9, atol=1e-9, msg=key)
+
+
+def test_what_the_stacked_step_would_silently_drop_is_refused_by_name():
+    data, seeds = _data(n=16), [0, 1]
+    nets = [_cnn(s, body="decoupled TanhConv x sigmoid, radius norm") for s in seeds]
+    with training_aids(nets, "weighted"):  # gradient hooks on each model's own weights
+        with pytest.raises(ValueError, match="gradient hook"):
+            fit_seeds(nets, data, seeds=seeds, epochs=1, device="cpu")
+    with pytest.raises(ValueError, match="names no layers"):  # a bare function: which tensors would it read?
+        fit_seeds(nets, data, seeds=seeds, epochs=1, device="cpu", regularizer=lambda: nets[0].head.weight.sum())
+    with pytest.raises(ValueError, match="a gradient taken inside the loss"):
+        fit_seeds(nets, data, seeds=seeds, epochs=1, device="cpu", loss_fn=adversarial_loss(0.1))
 
 
 def test_weight_projection_acts_on_the_stack_as_fit_calls_it():

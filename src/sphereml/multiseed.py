@@ -21,12 +21,13 @@ projection, ``stacked``) acts on the stack. A regulariser bound to the first mod
 weights (the stacked step swaps them into the model's layers); a list of regularisers, one bound to each model, keeps
 each seed's own state (CoMHE's projections), each evaluated on its seed's weights one after another; and per-epoch
 validation evaluates each model in turn. What it leaves out is what would couple or serialise the seeds: other
-callbacks, checkpoints, and random layers (dropout draws its noise per seed, but not from ``fit``'s stream). Every
-operation needs a batching rule: PyTorch's layers and losses have them, and so have our hand-written backward passes,
-written in the form ``torch.func`` batches (``setup_context``, ``generate_vmap_rule``): the margin heads'
-weight-normalised product, the patch layers' (SphereConv, SCS, the decoupled operators), the angular functions' and
-MHE's batched energy. The fused Triton kernels of a GPU (``SPHEREML_FUSED=1``: the patch epilogue, the margin
-cross-entropy) have none, and a network that reaches one is refused by name.
+callbacks, gradient hooks (weighted gradients), checkpoints, and random layers (dropout draws its noise per seed, but
+not from ``fit``'s stream). Every operation needs a batching rule: PyTorch's layers and losses have them, and so have
+our hand-written backward passes, written in the form ``torch.func`` batches (``setup_context``,
+``generate_vmap_rule``): the margin heads' weight-normalised product, the patch layers' (SphereConv, SCS, the
+decoupled operators), the angular functions' and MHE's batched energy. The fused Triton kernels of a GPU
+(``SPHEREML_FUSED=1``: the patch epilogue, the margin cross-entropy) have none, and a network that reaches one is
+refused by name.
 """
 
 from __future__ import annotations
@@ -43,9 +44,15 @@ from ._checks import integer, real_number
 from .train import (History, LossFn, StepState, Tracker, batches, default_loss, evaluate,
                     make_optimizer, on_device, penalty_of, resolve_device)
 
-__all__ = ["fit_seeds", "stack_state", "unstack_state", "stacked_callbacks"]
+__all__ = ["fit_seeds", "stack_state", "unstack_state", "stacked_callbacks", "has_gradient_hooks"]
 
 OPTIMIZERS = ("sgd", "adam")
+
+
+def has_gradient_hooks(models: Sequence[nn.Module]) -> bool:
+    """Whether a parameter of one of ``models`` has a gradient hook (e.g. weighted gradients, eq. 4.18): the stacked
+    copies :func:`fit_seeds` trains would not carry it."""
+    return any(p._backward_hooks for model in models for p in model.parameters())
 
 
 def _check_same_architecture(models: Sequence[nn.Module]) -> None:
@@ -124,7 +131,7 @@ def _stacked_step(objective: _Objective, has_logits: list) -> Callable:
 def fit_seeds(models: Sequence[nn.Module], train_data: Dataset, *, seeds: Sequence[int], epochs: int,
               batch_size: int = 128, lr: float = 1e-3, optimizer: str = "adam", weight_decay: float = 0.0,
               momentum: float = 0.9, scheduler: Callable | None = None, loss_fn: LossFn | None = None,
-              regularizer: Callable[[], Tensor] | None = None, callbacks: Sequence[Sequence] | None = None,
+              regularizer: Callable[[], Tensor] | Sequence | None = None, callbacks: Sequence[Sequence] | None = None,
               val_data: Dataset | None = None, device: str | torch.device = "auto") -> list[History]:
     """Train ``models[i]`` as ``fit(models[i], train_data, seed=seeds[i], ...)`` would, all in one batched step
     (Note [fit_seeds is fit, seed by seed]).
@@ -161,6 +168,9 @@ def fit_seeds(models: Sequence[nn.Module], train_data: Dataset, *, seeds: Sequen
             model, callbacks it cannot run as ``fit`` does, or a bad size or rate.
     """
     _check_same_architecture(models)
+    if has_gradient_hooks(models):
+        raise ValueError("a parameter has a gradient hook (weighted gradients?): fit_seeds trains stacked copies, "
+                         "which would not carry it; train the seeds with fit")
     one_each = isinstance(regularizer, (list, tuple))
     _check_bound(regularizer, models)
     if len(models) != len(seeds):
@@ -201,11 +211,12 @@ def fit_seeds(models: Sequence[nn.Module], train_data: Dataset, *, seeds: Sequen
             try:
                 loss, logits, penalty = step(params, buffers, x, y)
             except RuntimeError as error:
-                if "setup_context" not in str(error):
+                if "setup_context" not in str(error) and "functorch transform" not in str(error):
                     raise
-                raise ValueError("fit_seeds cannot batch this network: one of its layers has a hand-written "
-                                 "backward without a vmap rule (a fused kernel of SPHEREML_FUSED=1: the patch "
-                                 "epilogue or the margin cross-entropy); train its seeds with fit") from error
+                raise ValueError("fit_seeds cannot batch this step: a layer with a hand-written backward without a "
+                                 "vmap rule (a fused kernel of SPHEREML_FUSED=1: the patch epilogue or the margin "
+                                 "cross-entropy), or a gradient taken inside the loss (adversarial training); train "
+                                 "its seeds with fit") from error
             opt.zero_grad(set_to_none=True)
             if one_each:  # zeros from the stacked step, then each seed's own regulariser
                 penalty = penalty + _seed_penalties(regularizer, models, params)
@@ -243,18 +254,20 @@ def _check_bound(regularizer, models: Sequence[nn.Module]) -> None:
             if reg is None or not _bound_to(reg, model):
                 raise ValueError(f"regularizer {i} is not bound to models[{i}]")
         return
-    if not _bound_to(regularizer, models[0]):
-        raise ValueError("fit_seeds needs the regularizer bound to models[0] (its layers are evaluated with each "
-                         "seed's weights), or a list with one per model; it is bound to another network")
+    if regularizer is not None and not _bound_to(regularizer, models[0]):
+        raise ValueError("fit_seeds needs a Regularizer bound to models[0] (its layers are evaluated with each "
+                         "seed's weights), or a list with one per model; this one names no layers, or another "
+                         "network's")
     if getattr(regularizer, "state_from_weights", False):
         raise ValueError(f"{type(regularizer).__name__}'s before_step reads the weights (angle-fitted or "
                          "adversarial projections), so each seed needs its own: give a list, one per model")
 
 
 def _bound_to(regularizer, model: nn.Module) -> bool:
-    """Whether a regulariser that names its layers (``layers``) names only layers of ``model``."""
+    """Whether a regulariser names its layers (``layers``: a :class:`~sphereml.regularizers.Regularizer`), all of
+    them layers of ``model``: a bare function could hold any tensors, which the stacked step would not swap."""
     modules = set(model.modules())
-    return all(layer in modules for layer in getattr(regularizer, "layers", []))
+    return bool(getattr(regularizer, "layers", None)) and all(layer in modules for layer in regularizer.layers)
 
 
 class _Penalty(nn.Module):

@@ -28,6 +28,7 @@ Note [seeds together]
 
 from __future__ import annotations
 
+import inspect
 import os
 import subprocess
 import textwrap
@@ -42,7 +43,7 @@ from torch.utils.data import TensorDataset
 from .. import _io, data, distributed
 from . import recipes, viz
 from .._checks import integer
-from ..multiseed import fit_seeds, stacked_callbacks
+from ..multiseed import fit_seeds, has_gradient_hooks, stacked_callbacks
 from ..recalibration import has_running_stats, recalibrate, stats_fresh
 from ..train import collect_outputs, evaluate, fit, resolve_device, seed_everything
 from .report import ClaimCard, VerdictTable, show
@@ -63,6 +64,9 @@ CLAIM_KINDS = (  # what a claim is about (thesis Ch. 8's three claims, and the r
 REPOSITORY = "https://github.com/sphereml/sphereml"  # where the book is published from (_config.yml)
 PAGE_WIDTH = 96  # characters of a printed line that fit the book's column
 RECALIBRATION_BATCHES = 40  # Chapter.recalibrate_if_stale: at most 40 x 256 training images
+# the settings of fit that fit_seeds takes too: any other (compile, checkpoint, progress) trains seed by seed
+FIT_SEEDS_SETTINGS = frozenset(inspect.signature(fit_seeds).parameters) - {
+    "models", "train_data", "seeds", "device", "callbacks", "regularizer"}
 
 
 def resolve_profile(profile: str = "auto") -> str:
@@ -271,7 +275,8 @@ class Chapter:
         the batched step, or each model gets its own where the regulariser's state follows the weights (CoMHE's
         angle-fitted or adversarial projections).  ``regularizers``: one per model instead, each bound to its model
         (e.g. projections seeded by the run).  Trackers, a weight projection and regularisers go along; other
-        callbacks, a checkpoint or an optimiser given as a function train the models one after another.  The
+        callbacks, gradient hooks (weighted gradients), an optimiser given as a function, or a setting of ``fit``
+        that ``fit_seeds`` does not take (a checkpoint, ``compile``) train the models one after another.  The
         metrics list one training per model, each with an equal share of the time when together; :meth:`evaluate`
         recalibrates each model as after :meth:`fit`."""
         for name, values in {"seeds": seeds, "callbacks": callbacks, "regularizers": regularizers}.items():
@@ -279,12 +284,15 @@ class Chapter:
                 raise ValueError(f"{name} needs one entry per model, got {len(values)} for {len(models)} models")
         if make_regularizer is not None and regularizers is not None:
             raise ValueError("give make_regularizer (alike for every seed) or regularizers (one per model), not both")
+        if "regularizer" in kwargs:
+            raise ValueError("a regulariser is bound to one network: give make_regularizer or regularizers")
         if regularizers is not None and all(reg is None for reg in regularizers):
             regularizers = None
-        together = (self.seeds_together and len(models) > 1 and stacked_callbacks(callbacks) is not None
-                    and kwargs.get("checkpoint") is None
-                    and not callable(kwargs.get("optimizer")))  # fit_seeds takes element-wise optimisers only
         shared = make_regularizer(models[0]) if make_regularizer else None
+        together = (self.seeds_together and len(models) > 1 and stacked_callbacks(callbacks) is not None
+                    and set(kwargs) <= FIT_SEEDS_SETTINGS and not has_gradient_hooks(models)
+                    and not callable(kwargs.get("optimizer"))  # fit_seeds takes element-wise optimisers only
+                    and all(hasattr(reg, "layers") for reg in [shared, *(regularizers or [])] if reg is not None))
         if shared is not None and (not together or getattr(shared, "state_from_weights", False)):
             regularizers, shared = [shared] + [make_regularizer(m) for m in models[1:]], None  # one per model
         if not together:

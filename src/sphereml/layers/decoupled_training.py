@@ -94,6 +94,9 @@ class WeightProjection:
     def __eq__(self, other) -> bool:
         return type(other) is WeightProjection and (self.every, self.scale) == (other.every, other.scale)
 
+    def __hash__(self) -> int:
+        return hash((self.every, self.scale))
+
     @torch.no_grad()
     def stacked(self, step: int, model: nn.Module, params: dict[str, Tensor]) -> None:
         """:func:`project_weights` of every seed's kernels, ``params`` holding ``model``'s parameters stacked over
@@ -149,8 +152,9 @@ def training_aid(model: nn.Module, aid: str = "projection", every: int = 1):
 
 @contextmanager
 def training_aids(models, aid: str = "projection", every: int = 1):
-    """:func:`training_aid` for each of ``models`` (the seeds of one comparison, for
-    :func:`~sphereml.multiseed.fit_seeds`): yields one list of callbacks per model, every hook removed at the end."""
+    """:func:`training_aid` for each of ``models`` (the seeds of one comparison): yields one list of callbacks per
+    model, every hook removed at the end.  :func:`~sphereml.multiseed.fit_seeds` takes the projection's callbacks;
+    the weighted gradients' hooks it refuses (its stacked copies of the weights would not carry them)."""
     with ExitStack() as aids:
         yield [aids.enter_context(training_aid(model, aid, every)) for model in models]
 
