@@ -327,3 +327,30 @@ def test_published_sources_says_when_git_is_missing(tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", str(tmp_path))  # no git on the path
     with pytest.raises(RuntimeError, match="git is not installed"):
         chapter.published_sources("file:///nowhere", tmp_path / "clone")
+
+
+def test_fit_seeds_takes_one_optimizer_per_model(tmp_path, monkeypatch):
+    """Equal element-wise optimisers train the seeds together; optimisers bound to their own model (OPT's
+    orthogonal gradient descent) train each model with its own, one after another."""
+    from functools import partial
+
+    monkeypatch.setenv("SPHEREML_SEEDS_TOGETHER", "1")
+    ch = chapter.Chapter("demo", profile="gpu", device="cpu", seed=0, output_dir=str(tmp_path))
+    data = torch.utils.data.TensorDataset(torch.randn(32, 5), torch.randint(0, 3, (32,)))
+    nets = [torch.nn.Linear(5, 3) for _ in range(2)]
+    ch.fit_seeds(nets, data, [4, 5], epochs=1, batch_size=16,
+                 optimizers=[partial(torch.optim.SGD, lr=0.05, momentum=0.9) for _ in nets])
+    used = []
+
+    def own(model):
+        def make_optimizer(params):
+            used.append(model)
+            return torch.optim.SGD(model.parameters(), lr=0.05)
+        return make_optimizer
+
+    ch.fit_seeds(nets, data, [4, 5], epochs=1, batch_size=16, optimizers=[own(net) for net in nets])
+    assert used == nets
+    fits = json.loads((tmp_path / "metrics.json").read_text())["fits"]
+    assert [f.get("together") for f in fits] == [2, 2, None, None]
+    with pytest.raises(ValueError, match="not both"):
+        ch.fit_seeds(nets, data, [4, 5], epochs=1, optimizer="sgd", optimizers=["sgd", "sgd"])

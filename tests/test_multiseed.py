@@ -15,7 +15,7 @@ from sphereml.heads import ArcFaceLoss, ASoftmaxLoss, LambdaSchedule
 from sphereml.layers.decoupled import DecoupledConv2d
 from sphereml.layers.decoupled_training import (WeightProjection, mean_kernel_norm, project_weights,
                                                 training_aids)
-from sphereml.multiseed import fit_seeds, stack_state, stacked_callbacks, unstack_state
+from sphereml.multiseed import elementwise_optimizer, fit_seeds, stack_state, stacked_callbacks, unstack_state
 from sphereml.regularizers import MHE, ConvSimilarity, Orthogonality, Orthonormality, opt, select_layers
 from sphereml.regularizers.comhe import CoMHE
 from sphereml.train import Tracker, evaluate, fit
@@ -170,21 +170,28 @@ def test_each_seed_can_have_its_own_regularizer(variant):
         fit_seeds(together, data, seeds=seeds, regularizer=[comhe(together[0], 0)], **settings)
 
 
-def test_rotation_training_trains_its_seeds_together():
-    """OPT's parametrised layers (a Gram-Schmidt rotation of fixed neurons, chapter 7's rotation baseline) under
-    fit_seeds: the orthogonaliser is batched like any other operation."""
+@pytest.mark.parametrize("method", ["gs", "householder", "lowdin", "cayley", "or"])
+def test_opt_layers_train_their_seeds_together(method):
+    """OPT's parametrised layers (chapter 9; Gram-Schmidt rotations of fixed neurons: chapter 7's rotation baseline)
+    under fit_seeds, with their element-wise SGD and, for "or", each seed's own relaxation penalty: the
+    orthogonalisers are batched like any other operation."""
     def rotated(seed):
         net, generator = _cnn(seed), torch.Generator().manual_seed(seed)
         for layer in select_layers(net, include_output=False):
-            opt.orthogonal_overparameterize(layer, "gs", generator=generator, raw_std=layer.weight[0].numel() ** -0.5)
+            opt.orthogonal_overparameterize(layer, method, generator=generator, raw_std=layer.weight[0].numel() ** -0.5)
         return net
 
     data, seeds = _data(), [3, 7]
     together, alone = [rotated(s) for s in seeds], [rotated(s) for s in seeds]
-    settings = dict(epochs=1, batch_size=40, optimizer="sgd", lr=0.1, momentum=0.9, device="cpu")
-    fit_seeds(together, data, seeds=seeds, **settings)
+    parts = [opt.training_parts(net, lr=0.1, weight_decay=1e-3) for net in together]  # SGD, as a partial
+    assert elementwise_optimizer(parts[0][0]) and (parts[0][1] is not None) == (method == "or")
+    regularizers = [relaxation for _, relaxation in parts] if method == "or" else None
+    fit_seeds(together, data, seeds=seeds, epochs=1, batch_size=40, optimizer=parts[0][0], regularizer=regularizers,
+              device="cpu")
     for model, twin, seed in zip(together, alone, seeds):
-        fit(twin, data, seed=seed, progress=False, **settings)
+        make_optimizer, relaxation = opt.training_parts(twin, lr=0.1, weight_decay=1e-3)
+        fit(twin, data, seed=seed, epochs=1, batch_size=40, optimizer=make_optimizer, regularizer=relaxation,
+            device="cpu", progress=False)
         for key, value in _state(twin).items():
             torch.testing.assert_close(_state(model)[key], value, rtol=1e-9, atol=1e-9, msg=key)
 
@@ -199,6 +206,16 @@ def test_what_the_stacked_step_would_silently_drop_is_refused_by_name():
         fit_seeds(nets, data, seeds=seeds, epochs=1, device="cpu", regularizer=lambda: nets[0].head.weight.sum())
     with pytest.raises(ValueError, match="a gradient taken inside the loss"):
         fit_seeds(nets, data, seeds=seeds, epochs=1, device="cpu", loss_fn=adversarial_loss(0.1))
+
+
+def test_only_element_wise_optimizers_are_taken():
+    adam = partial(torch.optim.Adam, lr=1e-2, weight_decay=1e-4)
+    assert elementwise_optimizer("sgd") and elementwise_optimizer(adam)
+    for other in ("rmsprop", lambda params: torch.optim.SGD(params, lr=0.1), partial(torch.optim.LBFGS, lr=1.0),
+                  partial(torch.optim.SGD, [], lr=0.1)):  # may mix elements, or build its groups elsewhere
+        assert not elementwise_optimizer(other)
+        with pytest.raises(ValueError, match="element-wise"):
+            fit_seeds([_cnn(0), _cnn(1)], _data(n=16), seeds=[0, 1], epochs=1, optimizer=other, device="cpu")
 
 
 def test_weight_projection_acts_on_the_stack_as_fit_calls_it():

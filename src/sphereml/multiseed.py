@@ -33,6 +33,7 @@ refused by name.
 from __future__ import annotations
 
 import time
+from functools import partial
 from typing import Callable, Sequence
 
 import torch
@@ -44,9 +45,29 @@ from ._checks import integer, real_number
 from .train import (History, LossFn, StepState, Tracker, batches, default_loss, evaluate,
                     make_optimizer, on_device, penalty_of, resolve_device)
 
-__all__ = ["fit_seeds", "stack_state", "unstack_state", "stacked_callbacks", "has_gradient_hooks"]
+__all__ = ["fit_seeds", "stack_state", "unstack_state", "stacked_callbacks", "has_gradient_hooks",
+           "elementwise_optimizer", "same_optimizer"]
 
 OPTIMIZERS = ("sgd", "adam")
+ELEMENTWISE = (torch.optim.SGD, torch.optim.Adam)  # their step updates each element from its own gradient
+
+
+def same_optimizer(a, b) -> bool:
+    """Whether two optimisers as :func:`~sphereml.train.fit` takes them are the same: equal names, or partials of
+    one class with equal settings (a partial compares by identity)."""
+    if isinstance(a, partial) and isinstance(b, partial):
+        return a.func is b.func and a.args == b.args and a.keywords == b.keywords
+    return a is b or (isinstance(a, str) and a == b)
+
+
+def elementwise_optimizer(optimizer) -> bool:
+    """Whether ``optimizer`` (as :func:`~sphereml.train.fit` takes it) updates every element on its own, so that one
+    optimiser over the stacked seeds is one per seed: ``"sgd"``, ``"adam"``, or SGD or Adam with its settings
+    bound by ``functools.partial`` (no positional argument, no parameter groups).  Any other function may build
+    groups from one model's parameters, or mix elements (OPT's orthogonal gradient descent)."""
+    if isinstance(optimizer, str):
+        return optimizer in OPTIMIZERS
+    return isinstance(optimizer, partial) and optimizer.func in ELEMENTWISE and not optimizer.args
 
 
 def has_gradient_hooks(models: Sequence[nn.Module]) -> bool:
@@ -129,7 +150,7 @@ def _stacked_step(objective: _Objective, has_logits: list) -> Callable:
 
 
 def fit_seeds(models: Sequence[nn.Module], train_data: Dataset, *, seeds: Sequence[int], epochs: int,
-              batch_size: int = 128, lr: float = 1e-3, optimizer: str = "adam", weight_decay: float = 0.0,
+              batch_size: int = 128, lr: float = 1e-3, optimizer: str | partial = "adam", weight_decay: float = 0.0,
               momentum: float = 0.9, scheduler: Callable | None = None, loss_fn: LossFn | None = None,
               regularizer: Callable[[], Tensor] | Sequence | None = None, callbacks: Sequence[Sequence] | None = None,
               val_data: Dataset | None = None, device: str | torch.device = "auto") -> list[History]:
@@ -147,7 +168,8 @@ def fit_seeds(models: Sequence[nn.Module], train_data: Dataset, *, seeds: Sequen
             convolutional similarity and MHE's batched energy have them); or a list with one per model, each bound
             to its model (its own state, e.g. CoMHE's projections seeded by the run), evaluated one after another on
             its seed's weights, ``before_step`` first.
-        optimizer (str): ``"sgd"`` or ``"adam"`` (element-wise updates, so one optimiser serves every seed).
+        optimizer: ``"sgd"``, ``"adam"``, or ``functools.partial(torch.optim.SGD or Adam, **settings)``
+            (element-wise updates, so one optimiser serves every seed: :func:`elementwise_optimizer`).
         callbacks: one list per model, called as ``fit`` calls them (:func:`stacked_callbacks`).  Trackers
             (:class:`~sphereml.train.Tracker`): at a step where one of them records, every model is first given its
             current weights and buffers (one copy per tensor), so a tracker may read or evaluate its model; its
@@ -180,8 +202,9 @@ def fit_seeds(models: Sequence[nn.Module], train_data: Dataset, *, seeds: Sequen
     integer("epochs", epochs, at_least=0)
     integer("batch_size", batch_size, at_least=1)
     real_number("lr", lr, above=0.0)
-    if optimizer not in OPTIMIZERS:  # a callable's update may mix elements, and so seeds
-        raise ValueError(f"optimizer must be one of {OPTIMIZERS} (element-wise, so one per seed), got {optimizer!r}")
+    if not elementwise_optimizer(optimizer):  # another function's update may mix elements, and so seeds
+        raise ValueError(f"optimizer must be one of {OPTIMIZERS} or a functools.partial of SGD or Adam (element-wise, "
+                         f"so one per seed), got {optimizer!r}")
     shared, callbacks = _check_callbacks(callbacks, len(models))
     dev = resolve_device(device)
     for model in models:

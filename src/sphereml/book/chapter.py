@@ -43,7 +43,7 @@ from torch.utils.data import TensorDataset
 from .. import _io, data, distributed
 from . import recipes, viz
 from .._checks import integer
-from ..multiseed import fit_seeds, has_gradient_hooks, stacked_callbacks
+from ..multiseed import elementwise_optimizer, fit_seeds, has_gradient_hooks, same_optimizer, stacked_callbacks
 from ..recalibration import has_running_stats, recalibrate, stats_fresh
 from ..train import collect_outputs, evaluate, fit, resolve_device, seed_everything
 from .report import ClaimCard, VerdictTable, show
@@ -264,7 +264,7 @@ class Chapter:
         return history
 
     def fit_seeds(self, models, train_data, seeds, recipe: str | None = None, callbacks=None, make_regularizer=None,
-                  regularizers=None, **kwargs):
+                  regularizers=None, optimizers=None, **kwargs):
         """``models[i]`` trained as ``fit(models[i], seed=seeds[i])`` would be: with :meth:`fit`, one after
         another, unless :attr:`seeds_together`, then all seeds in one batched step
         (:func:`~sphereml.multiseed.fit_seeds`: every layer but the fused kernels of ``SPHEREML_FUSED=1``; Note
@@ -274,37 +274,48 @@ class Chapter:
         regulariser, alike for every seed (e.g. ``partial(MHE, s=2.0)``): the first model's serves every seed in
         the batched step, or each model gets its own where the regulariser's state follows the weights (CoMHE's
         angle-fitted or adversarial projections).  ``regularizers``: one per model instead, each bound to its model
-        (e.g. projections seeded by the run).  Trackers, a weight projection and regularisers go along; other
-        callbacks, gradient hooks (weighted gradients), an optimiser given as a function, or a setting of ``fit``
-        that ``fit_seeds`` does not take (a checkpoint, ``compile``) train the models one after another.  The
-        metrics list one training per model, each with an equal share of the time when together; :meth:`evaluate`
-        recalibrates each model as after :meth:`fit`."""
-        for name, values in {"seeds": seeds, "callbacks": callbacks, "regularizers": regularizers}.items():
-            if values is not None and len(values) != len(models):
-                raise ValueError(f"{name} needs one entry per model, got {len(values)} for {len(models)} models")
-        if make_regularizer is not None and regularizers is not None:
-            raise ValueError("give make_regularizer (alike for every seed) or regularizers (one per model), not both")
+        (e.g. projections seeded by the run).  ``optimizers``: one per model instead of ``optimizer`` (e.g. each
+        bound to its model's rotations).  Trackers, a weight projection and regularisers go along; other callbacks,
+        gradient hooks (weighted gradients), optimisers that are not one element-wise SGD or Adam for every model
+        (:func:`~sphereml.multiseed.elementwise_optimizer`), or a setting of ``fit`` that ``fit_seeds`` does not
+        take (a checkpoint, ``compile``) train the models one after another.  The metrics list one training per
+        model, each with an equal share of the time when together; :meth:`evaluate` recalibrates each model as after
+        :meth:`fit`."""
+        count = len(models)
+        for name, values in {"seeds": seeds, "callbacks": callbacks, "regularizers": regularizers,
+                             "optimizers": optimizers}.items():
+            if values is not None and len(values) != count:
+                raise ValueError(f"{name} needs one entry per model, got {len(values)} for {count} models")
+        for alike, each in ((make_regularizer, regularizers), (kwargs.get("optimizer"), optimizers)):
+            if alike is not None and each is not None:
+                raise ValueError("give make_regularizer or optimizer (alike for every seed), or regularizers or "
+                                 "optimizers (one per model), not both")
         if "regularizer" in kwargs:
             raise ValueError("a regulariser is bound to one network: give make_regularizer or regularizers")
-        if regularizers is not None and all(reg is None for reg in regularizers):
-            regularizers = None
+        optimizers = optimizers or [kwargs.pop("optimizer", "adam")] * count
+        callbacks = callbacks or [[] for _ in models]
         shared = make_regularizer(models[0]) if make_regularizer else None
-        together = (self.seeds_together and len(models) > 1 and stacked_callbacks(callbacks) is not None
+        regularizers = regularizers or [None] * count
+        together = (self.seeds_together and count > 1 and stacked_callbacks(callbacks) is not None
                     and set(kwargs) <= FIT_SEEDS_SETTINGS and not has_gradient_hooks(models)
-                    and not callable(kwargs.get("optimizer"))  # fit_seeds takes element-wise optimisers only
-                    and all(hasattr(reg, "layers") for reg in [shared, *(regularizers or [])] if reg is not None))
+                    and elementwise_optimizer(optimizers[0])
+                    and all(same_optimizer(o, optimizers[0]) for o in optimizers[1:])
+                    and all(hasattr(reg, "layers") for reg in [shared, *regularizers] if reg is not None))
         if shared is not None and (not together or getattr(shared, "state_from_weights", False)):
             regularizers, shared = [shared] + [make_regularizer(m) for m in models[1:]], None  # one per model
         if not together:
-            regularizers = regularizers or [None] * len(models)
-            callbacks = callbacks or [()] * len(models)
-            return [self.fit(model, train_data, recipe, seed=seed, callbacks=list(calls), regularizer=reg, **kwargs)
-                    for model, seed, calls, reg in zip(models, seeds, callbacks, regularizers)]
-        kwargs["regularizer"] = shared if shared is not None else regularizers
+            return [self.fit(model, train_data, recipe, seed=seed, callbacks=list(calls), regularizer=reg,
+                             optimizer=optimizer, **kwargs)
+                    for model, seed, calls, reg, optimizer in zip(models, seeds, callbacks, regularizers, optimizers)]
+        self._trained_on.update({model: train_data for model in models})  # as fit: trackers' evaluations recalibrate
+        kwargs["optimizer"] = optimizers[0]
+        if shared is not None:
+            kwargs["regularizer"] = shared  # one for every seed, evaluated in the batched step
+        elif any(reg is not None for reg in regularizers):
+            kwargs["regularizer"] = regularizers  # each seed its own
         kwargs = {key: value for key, value in kwargs.items() if value is not None}
         histories = fit_seeds(models, train_data, seeds=seeds, device=self.device, callbacks=callbacks, **kwargs)
         for model, history in zip(models, histories):
-            self._trained_on[model] = train_data
             seconds = sum(epoch["seconds"] for epoch in history.epochs) / len(models)
             self.metrics["fits"].append({"recipe": recipe, "epochs": kwargs["epochs"], "n_train": len(train_data),
                                          "seconds": round(seconds, 3), "together": len(models)})

@@ -31,6 +31,8 @@ redraws it), unit-norm neurons (``normalize=True``, §7.3.7) and energy-minimise
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 from torch import Tensor, nn
 from torch.nn.utils import parametrize
@@ -387,7 +389,6 @@ def training_parts(model: nn.Module, lr: float, momentum: float = 0.9, weight_de
 
         def make_optimizer(params):  # the rotations and the rest of the model, in their own groups
             return ogd_optimizer(model, lr=lr, rotation_lr=rate, momentum=momentum, weight_decay=weight_decay)
-    else:
-        def make_optimizer(params):
-            return torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay)
+    else:  # element-wise: seeds can train together (sphereml.multiseed.elementwise_optimizer)
+        make_optimizer = partial(torch.optim.SGD, lr=lr, momentum=momentum, weight_decay=weight_decay)
     return make_optimizer, (OrthogonalRelaxation(model, beta=beta) if "or" in methods else None)
