@@ -297,7 +297,8 @@ class Chapter:
         shared = make_regularizer(models[0]) if make_regularizer else None
         regularizers = regularizers or [None] * count
         together = (self.seeds_together and count > 1 and stacked_callbacks(callbacks) is not None
-                    and set(kwargs) <= FIT_SEEDS_SETTINGS and not has_gradient_hooks(models)
+                    and {key for key, value in kwargs.items() if value is not None} <= FIT_SEEDS_SETTINGS
+                    and not has_gradient_hooks(models)
                     and elementwise_optimizer(optimizers[0])
                     and all(same_optimizer(o, optimizers[0]) for o in optimizers[1:])
                     and all(hasattr(reg, "layers") for reg in [shared, *regularizers] if reg is not None))
