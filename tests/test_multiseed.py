@@ -417,11 +417,15 @@ def test_bad_arguments_are_named():
 @pytest.mark.needs_cuda
 @pytest.mark.parametrize("body,extra", [("CNN-3 with BatchNorm", None), ("SphereNet-3, sigmoid with learned k", None),
                                         ("SCS, learned p and q", None), ("CNN-3 with BatchNorm", "HS-MHE"),
-                                        ("decoupled TanhConv x sigmoid, radius norm", "projection")])
+                                        ("decoupled TanhConv x sigmoid, radius norm", "projection"),
+                                        ("CNN-3 with BatchNorm", "OPT gs")])
 def test_fit_seeds_on_cuda_matches_fit_seed_by_seed(body, extra):
     data, seeds = _data(n=256), [0, 1, 2]
     data32 = TensorDataset(data.tensors[0].float(), data.tensors[1])
     together, alone = [_cnn(s, body=body).float() for s in seeds], [_cnn(s, body=body).float() for s in seeds]
+    if extra == "OPT gs":  # the Cholesky form of Gram-Schmidt on a GPU, batched over the seeds
+        for net, seed in zip(together + alone, seeds + seeds):
+            opt.overparameterize_model(net, "gs", generator=torch.Generator().manual_seed(seed), raw_std="unit")
     settings = dict(epochs=1, batch_size=64, optimizer="sgd", lr=0.01, momentum=0.0, device="cuda")
 
     def extras(model, stacked=False):  # a regulariser bound to the (first) model, or one list of callbacks per model
