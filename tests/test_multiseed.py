@@ -15,7 +15,8 @@ from sphereml.heads import ArcFaceLoss, ASoftmaxLoss, LambdaSchedule
 from sphereml.layers.decoupled import DecoupledConv2d
 from sphereml.layers.decoupled_training import (WeightProjection, mean_kernel_norm, project_weights,
                                                 training_aids)
-from sphereml.multiseed import elementwise_optimizer, fit_seeds, stack_state, stacked_callbacks, unstack_state
+from sphereml.multiseed import (can_train_together, elementwise_optimizer, fit_seeds, stack_state, stacked_callbacks,
+                                unstack_state)
 from sphereml.regularizers import MHE, ConvSimilarity, Orthogonality, Orthonormality, opt, select_layers
 from sphereml.regularizers.comhe import CoMHE
 from sphereml.train import Tracker, evaluate, fit
@@ -206,6 +207,26 @@ def test_what_the_stacked_step_would_silently_drop_is_refused_by_name():
         fit_seeds(nets, data, seeds=seeds, epochs=1, device="cpu", regularizer=lambda: nets[0].head.weight.sum())
     with pytest.raises(ValueError, match="a gradient taken inside the loss"):
         fit_seeds(nets, data, seeds=seeds, epochs=1, device="cpu", loss_fn=adversarial_loss(0.1))
+
+
+def test_can_train_together_says_when_fit_seeds_trains_as_fit_would():
+    nets = [_cnn(0), _cnn(1)]
+    sgd = partial(torch.optim.SGD, lr=0.1)
+    assert can_train_together(nets, ["sgd", "sgd"], settings={"epochs": 2, "lr": 0.1, "checkpoint": None})
+    assert can_train_together(nets, [sgd, partial(torch.optim.SGD, lr=0.1)], regularizers=[MHE(nets[0]), None],
+                              callbacks=[[WeightProjection()], [WeightProjection()]])
+    refused = {"one model": dict(models=nets[:1]), "a checkpoint": dict(settings={"checkpoint": "run.pt"}),
+               "compile": dict(settings={"compile": True}), "two optimisers": dict(optimizers=["sgd", "adam"]),
+               "a function as optimiser": dict(optimizers=[lambda params: torch.optim.SGD(params, lr=0.1)] * 2),
+               "a bare function as regulariser": dict(regularizers=[lambda: nets[0].head.weight.sum()]),
+               "callbacks only fit runs": dict(callbacks=[[lambda step, model: None]] * 2)}
+    for why, changed in refused.items():
+        arguments = {"models": nets, "optimizers": ["sgd", "sgd"], **changed}
+        assert not can_train_together(**arguments), why
+    decoupled = [_cnn(s, body="decoupled TanhConv x sigmoid, radius norm") for s in (0, 1)]
+    assert can_train_together(decoupled, ["sgd", "sgd"])
+    with training_aids(decoupled, "weighted"):  # gradient hooks on each model's own weights
+        assert not can_train_together(decoupled, ["sgd", "sgd"])
 
 
 def test_only_element_wise_optimizers_are_taken():

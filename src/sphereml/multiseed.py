@@ -32,6 +32,7 @@ refused by name.
 
 from __future__ import annotations
 
+import inspect
 import time
 from functools import partial
 from typing import Callable, Sequence
@@ -45,8 +46,8 @@ from ._checks import integer, real_number
 from .train import (History, LossFn, StepState, Tracker, batches, default_loss, evaluate,
                     make_optimizer, on_device, penalty_of, resolve_device)
 
-__all__ = ["fit_seeds", "stack_state", "unstack_state", "stacked_callbacks", "has_gradient_hooks",
-           "elementwise_optimizer", "same_optimizer"]
+__all__ = ["fit_seeds", "can_train_together", "stack_state", "unstack_state", "stacked_callbacks",
+           "has_gradient_hooks", "elementwise_optimizer", "same_optimizer"]
 
 OPTIMIZERS = ("sgd", "adam")
 ELEMENTWISE = (torch.optim.SGD, torch.optim.Adam)  # their step updates each element from its own gradient
@@ -267,6 +268,25 @@ def fit_seeds(models: Sequence[nn.Module], train_data: Dataset, *, seeds: Sequen
     return histories
 
 
+# the settings of fit that fit_seeds takes too: any other (compile, checkpoint, progress) trains seed by seed
+_SETTINGS_TAKEN = frozenset(inspect.signature(fit_seeds).parameters) - {
+    "models", "train_data", "seeds", "device", "callbacks", "regularizer"}
+
+
+def can_train_together(models: Sequence[nn.Module], optimizers: Sequence, callbacks=None, regularizers=(),
+                       settings: dict | None = None) -> bool:
+    """Whether :func:`fit_seeds` can train ``models`` as :func:`~sphereml.train.fit` would one after another, given
+    each model's optimiser and callbacks (as ``fit`` takes them), the regularisers (``None`` for none) and ``fit``'s
+    other settings (a ``None`` value counts as not given): more than one model, callbacks it can stack
+    (:func:`stacked_callbacks`), only settings it takes, no gradient hook, one element-wise optimiser alike for every
+    model (:func:`elementwise_optimizer`) and regularisers that name their layers."""
+    given = {name for name, value in (settings or {}).items() if value is not None}
+    return (len(models) > 1 and stacked_callbacks(callbacks) is not None and given <= _SETTINGS_TAKEN
+            and not has_gradient_hooks(models) and elementwise_optimizer(optimizers[0])
+            and all(same_optimizer(other, optimizers[0]) for other in optimizers[1:])
+            and all(hasattr(reg, "layers") for reg in regularizers if reg is not None))
+
+
 def _check_bound(regularizer, models: Sequence[nn.Module]) -> None:
     """One regulariser bound to the first model (those layers the stacked step swaps), its per-step state
     independent of the weights (one state serves every seed); or one per model, each bound to its model."""
@@ -293,18 +313,23 @@ def _bound_to(regularizer, model: nn.Module) -> bool:
     return bool(getattr(regularizer, "layers", None)) and all(layer in modules for layer in regularizer.layers)
 
 
-class _Penalty(nn.Module):
-    """A regulariser bound to ``model`` as a module's forward (``before_step`` first when asked), so that
-    ``functional_call`` can give the model one seed's weights."""
+class _OnSeedWeights(nn.Module):
+    """A regulariser and its model as a module, so that ``functional_call`` can give the model one seed's weights
+    while the regulariser runs (its penalty, or its ``before_step``)."""
 
     def __init__(self, model: nn.Module, regularizer):
         super().__init__()
         self.model, self.regularizer = model, regularizer
 
-    def forward(self, before_step: bool) -> Tensor | None:
-        if before_step:
-            return self.regularizer.before_step()
+
+class _Penalty(_OnSeedWeights):
+    def forward(self) -> Tensor:
         return penalty_of(self.regularizer)
+
+
+class _BeforeStep(_OnSeedWeights):
+    def forward(self) -> None:
+        self.regularizer.before_step()  # e.g. CoMHE fitting its projections to these weights
 
 
 def _seed_penalties(regularizers, models, params: dict[str, Tensor]) -> Tensor:
@@ -312,11 +337,11 @@ def _seed_penalties(regularizers, models, params: dict[str, Tensor]) -> Tensor:
     values first, as ``fit`` calls it), one seed after another."""
     penalties = []
     for i, (regularizer, model) in enumerate(zip(regularizers, models)):
-        call = _Penalty(model, regularizer)
+        weights = {f"model.{n}": p[i] for n, p in params.items()}
         if hasattr(regularizer, "before_step"):
-            functional_call(call, {f"model.{n}": p[i].detach() for n, p in params.items()}, (True,), strict=False)
-        penalties.append(functional_call(call, {f"model.{n}": p[i] for n, p in params.items()}, (False,),
-                                         strict=False))
+            detached = {n: w.detach() for n, w in weights.items()}
+            functional_call(_BeforeStep(model, regularizer), detached, (), strict=False)
+        penalties.append(functional_call(_Penalty(model, regularizer), weights, (), strict=False))
     return torch.stack(penalties)
 
 

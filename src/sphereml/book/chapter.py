@@ -28,7 +28,6 @@ Note [seeds together]
 
 from __future__ import annotations
 
-import inspect
 import os
 import subprocess
 import textwrap
@@ -43,7 +42,7 @@ from torch.utils.data import TensorDataset
 from .. import _io, data, distributed
 from . import recipes, viz
 from .._checks import integer
-from ..multiseed import elementwise_optimizer, fit_seeds, has_gradient_hooks, same_optimizer, stacked_callbacks
+from ..multiseed import can_train_together, fit_seeds
 from ..recalibration import has_running_stats, recalibrate, stats_fresh
 from ..train import collect_outputs, evaluate, fit, resolve_device, seed_everything
 from .report import ClaimCard, VerdictTable, show
@@ -64,9 +63,6 @@ CLAIM_KINDS = (  # what a claim is about (thesis Ch. 8's three claims, and the r
 REPOSITORY = "https://github.com/sphereml/sphereml"  # where the book is published from (_config.yml)
 PAGE_WIDTH = 96  # characters of a printed line that fit the book's column
 RECALIBRATION_BATCHES = 40  # Chapter.recalibrate_if_stale: at most 40 x 256 training images
-# the settings of fit that fit_seeds takes too: any other (compile, checkpoint, progress) trains seed by seed
-FIT_SEEDS_SETTINGS = frozenset(inspect.signature(fit_seeds).parameters) - {
-    "models", "train_data", "seeds", "device", "callbacks", "regularizer"}
 
 
 def resolve_profile(profile: str = "auto") -> str:
@@ -154,6 +150,13 @@ def _tiny_cifar(num_classes: int, seed: int) -> tuple[TensorDataset, TensorDatas
         return TensorDataset(torch.rand(n, 3, 32, 32, generator=gen), torch.arange(n) % num_classes)
 
     return images(32), images(16)
+
+
+def _check_per_model(models, **lists) -> None:
+    """Each of ``lists`` (when given) has one entry per model; otherwise a ValueError that names it."""
+    for name, values in lists.items():
+        if values is not None and len(values) != len(models):
+            raise ValueError(f"{name} needs one entry per model, got {len(values)} for {len(models)} models")
 
 
 class Chapter:
@@ -281,44 +284,39 @@ class Chapter:
         take (a checkpoint, ``compile``) train the models one after another.  The metrics list one training per
         model, each with an equal share of the time when together; :meth:`evaluate` recalibrates each model as after
         :meth:`fit`."""
-        count = len(models)
-        for name, values in {"seeds": seeds, "callbacks": callbacks, "regularizers": regularizers,
-                             "optimizers": optimizers}.items():
-            if values is not None and len(values) != count:
-                raise ValueError(f"{name} needs one entry per model, got {len(values)} for {count} models")
+        _check_per_model(models, seeds=seeds, callbacks=callbacks, regularizers=regularizers, optimizers=optimizers)
         for alike, each in ((make_regularizer, regularizers), (kwargs.get("optimizer"), optimizers)):
             if alike is not None and each is not None:
                 raise ValueError("give make_regularizer or optimizer (alike for every seed), or regularizers or "
                                  "optimizers (one per model), not both")
         if "regularizer" in kwargs:
             raise ValueError("a regulariser is bound to one network: give make_regularizer or regularizers")
-        optimizers = optimizers or [kwargs.pop("optimizer", "adam")] * count
+        optimizers = optimizers or [kwargs.pop("optimizer", "adam")] * len(models)
         callbacks = callbacks or [[] for _ in models]
         shared = make_regularizer(models[0]) if make_regularizer else None
-        regularizers = regularizers or [None] * count
-        together = (self.seeds_together and count > 1 and stacked_callbacks(callbacks) is not None
-                    and {key for key, value in kwargs.items() if value is not None} <= FIT_SEEDS_SETTINGS
-                    and not has_gradient_hooks(models)
-                    and elementwise_optimizer(optimizers[0])
-                    and all(same_optimizer(o, optimizers[0]) for o in optimizers[1:])
-                    and all(hasattr(reg, "layers") for reg in [shared, *regularizers] if reg is not None))
+        regularizers = regularizers or [None] * len(models)
+        together = self.seeds_together and can_train_together(models, optimizers, callbacks, [shared, *regularizers],
+                                                              kwargs)
         if shared is not None and (not together or getattr(shared, "state_from_weights", False)):
             regularizers, shared = [shared] + [make_regularizer(m) for m in models[1:]], None  # one per model
         if not together:
             return [self.fit(model, train_data, recipe, seed=seed, callbacks=list(calls), regularizer=reg,
                              optimizer=optimizer, **kwargs)
                     for model, seed, calls, reg, optimizer in zip(models, seeds, callbacks, regularizers, optimizers)]
+        if shared is None and any(reg is not None for reg in regularizers):
+            shared = regularizers  # each seed its own
+        return self._fit_together(models, train_data, seeds, recipe, callbacks, shared, optimizers[0], kwargs)
+
+    def _fit_together(self, models, train_data, seeds, recipe, callbacks, regularizer, optimizer, settings):
+        """:meth:`fit_seeds` with the seeds in one batched step: ``regularizer`` one for every seed, a list of one
+        per model, or None."""
         self._trained_on.update({model: train_data for model in models})  # as fit: trackers' evaluations recalibrate
-        kwargs["optimizer"] = optimizers[0]
-        if shared is not None:
-            kwargs["regularizer"] = shared  # one for every seed, evaluated in the batched step
-        elif any(reg is not None for reg in regularizers):
-            kwargs["regularizer"] = regularizers  # each seed its own
-        kwargs = {key: value for key, value in kwargs.items() if value is not None}
-        histories = fit_seeds(models, train_data, seeds=seeds, device=self.device, callbacks=callbacks, **kwargs)
-        for model, history in zip(models, histories):
+        settings = {**settings, "optimizer": optimizer, "regularizer": regularizer}
+        settings = {key: value for key, value in settings.items() if value is not None}
+        histories = fit_seeds(models, train_data, seeds=seeds, device=self.device, callbacks=callbacks, **settings)
+        for history in histories:
             seconds = sum(epoch["seconds"] for epoch in history.epochs) / len(models)
-            self.metrics["fits"].append({"recipe": recipe, "epochs": kwargs["epochs"], "n_train": len(train_data),
+            self.metrics["fits"].append({"recipe": recipe, "epochs": settings["epochs"], "n_train": len(train_data),
                                          "seconds": round(seconds, 3), "together": len(models)})
         self.write()
         return histories
