@@ -13,6 +13,7 @@ from sphereml.layers.decoupled import decoupled_factory
 from sphereml.layers.decoupled_training import WeightProjection
 from sphereml.multiseed import fit_seeds
 from sphereml.regularizers import MHE
+from sphereml.regularizers.comhe import CoMHE
 from sphereml.train import fit
 
 from .harness import compare, smoke_or
@@ -23,8 +24,11 @@ NETWORKS = {  # chapter 1-2's ConvNet, chapter 5's SCS network (cpu widths) and 
     "scs_16x32x64": lambda: models.Classifier(models.scs_net((16, 32, 64), in_channels=1, image_size=28), 10),
     "cnn9_64x96x128": lambda: models.Classifier(
         models.plain_cnn(9, widths=(64, 96, 128), in_channels=1, image_size=28, feature_dim=256), 10),
-    # chapter 6's BatchNorm ConvNet with half-space MHE, chapter 4's TanhConv CNN-9 with weight projection
+    # chapter 6's BatchNorm ConvNet with half-space MHE and with RP-CoMHE (one per seed, as in chapter 7), chapter
+    # 4's TanhConv CNN-9 with weight projection
     "convnet_16x32_hs_mhe": lambda: models.Classifier(
+        models.ConvNet(1, 64, widths=(16, 32), norm_layer="batchnorm"), 10),
+    "convnet_16x32_rp_comhe_each": lambda: models.Classifier(
         models.ConvNet(1, 64, widths=(16, 32), norm_layer="batchnorm"), 10),
     "tanhconv_cnn9_32x64x128_projection": lambda: models.Classifier(models.plain_cnn(
         9, widths=(32, 64, 128), in_channels=1, image_size=28, feature_dim=128,
@@ -32,10 +36,12 @@ NETWORKS = {  # chapter 1-2's ConvNet, chapter 5's SCS network (cpu widths) and 
 }
 
 
-def _extras(name: str, net) -> dict:
+def _extras(name: str, net, seed: int) -> dict:
     """What the network trains with besides the data: its regulariser (bound to ``net``) or its callbacks."""
     if name.endswith("hs_mhe"):
         return {"regularizer": MHE(net, half_space=True)}
+    if name.endswith("comhe_each"):  # its projections drawn from its run's seed
+        return {"regularizer": CoMHE(net, seed=seed)}
     if name.endswith("projection"):
         return {"callbacks": [WeightProjection()]}
     return {}
@@ -46,19 +52,20 @@ def run(device: torch.device) -> dict:
     generator = torch.Generator().manual_seed(0)
     data = TensorDataset(torch.rand(n, 1, 28, 28, generator=generator), torch.randint(0, 10, (n,), generator=generator))
     results = {}
-    for name, make in smoke_or(NETWORKS, dict(list(NETWORKS.items())[-2:])).items():
+    for name, make in smoke_or(NETWORKS, dict(list(NETWORKS.items())[-3:])).items():
         nets = [make().to(device) for _ in SEEDS]
         settings = dict(epochs=1, batch_size=batch, lr=1e-3, optimizer="adam", device=device)
 
         def together(name=name, nets=nets, settings=settings):
-            extras = _extras(name, nets[0])
-            if "callbacks" in extras:
-                extras["callbacks"] = [_extras(name, net)["callbacks"] for net in nets]
+            extras = _extras(name, nets[0], SEEDS[0])
+            for key in ("callbacks", "regularizer") if "hs_mhe" not in name else ("callbacks",):
+                if key in extras:  # one per model
+                    extras[key] = [_extras(name, net, seed)[key] for net, seed in zip(nets, SEEDS)]
             fit_seeds(nets, data, seeds=SEEDS, **extras, **settings)
 
         def one_after_another(name=name, nets=nets, settings=settings):
             for net, seed in zip(nets, SEEDS):
-                fit(net, data, seed=seed, progress=False, **_extras(name, net), **settings)
+                fit(net, data, seed=seed, progress=False, **_extras(name, net, seed), **settings)
 
         candidates = {"3 seeds together": together, "3 seeds one after another": one_after_another}
         results[name] = compare(

@@ -33,7 +33,8 @@ def test_the_whole_suite_runs_in_smoke_mode(tmp_path):
     for name in ("margin_heads_fwd_bwd_b8_c32", "sphereconv_fwd_bwd_b2_c4_s8", "decoupled_fwd_bwd_b2_c4_s8",
                  "scs_fwd_bwd_b2_c4_s8", "convsim_fft_vs_direct", "train_step_convnet_2x4",
                  "opt_train_step_cnn6_w8_b2", "comhe_train_step_cnn9_b2",
-                 "multiseed_convnet_16x32_hs_mhe_b8", "multiseed_tanhconv_cnn9_32x64x128_projection_b8"):  # smoke sizes
+                 "multiseed_convnet_16x32_hs_mhe_b8", "multiseed_convnet_16x32_rp_comhe_each_b8",
+                 "multiseed_tanhconv_cnn9_32x64x128_projection_b8"):  # smoke sizes
         assert name in written, f"{name} wrote no JSON (have {sorted(written)})"
         result = written[name]
         assert result["device"] and result["torch"] and result["date"], name

@@ -19,7 +19,9 @@ seed=b)`` end, up to float rounding (``tests/test_multiseed.py`` checks it in fl
 stacked state is first copied into the models; a callback that acts on the weights alike for every seed (weight
 projection, ``stacked``) acts on the stack. A regulariser bound to the first model is evaluated with each seed's
 weights (the stacked step swaps them into the model's layers); a list of regularisers, one bound to each model, keeps
-each seed's own state (CoMHE's projections), each evaluated on its seed's weights one after another; and per-epoch
+each seed's own state (CoMHE's projections): each seed's ``before_step`` runs on its own weights, then the first
+regulariser is evaluated in the batched step with each seed's weights and state (``seed_state``) when they differ in
+nothing else, or each on its seed's weights one after another when they do; and per-epoch
 validation evaluates each model in turn. What it leaves out is what would couple or serialise the seeds: other
 callbacks, gradient hooks (weighted gradients), checkpoints, and random layers (dropout draws its noise per seed, but
 not from ``fit``'s stream). Every operation needs a batching rule: PyTorch's layers and losses have them, and so have
@@ -34,6 +36,7 @@ from __future__ import annotations
 
 import inspect
 import time
+from contextlib import nullcontext
 from functools import partial
 from typing import Callable, Sequence
 
@@ -132,18 +135,22 @@ class _Objective(nn.Module):
         super().__init__()
         self.model, self.loss_fn, self.regularizer = model, loss_fn, regularizer
 
-    def forward(self, x: Tensor, y: Tensor):
+    def forward(self, x: Tensor, y: Tensor, seed_state: list[Tensor]):
         loss, logits = self.loss_fn(self.model, x, y)
-        penalty = penalty_of(self.regularizer)
-        return loss, logits, loss.new_zeros(()) if penalty is None else penalty
+        if self.regularizer is None:
+            return loss, logits, loss.new_zeros(())
+        with self.regularizer.seed_state_as(seed_state) if seed_state else nullcontext():
+            return loss, logits, penalty_of(self.regularizer)
 
 
 def _stacked_step(objective: _Objective, has_logits: list) -> Callable:
-    """``(params, buffers, x, y) -> (loss, logits, penalty)`` per seed, the seeds along the first dimension."""
+    """``(params, buffers, x, y, seed_state) -> (loss, logits, penalty)`` per seed, the seeds along the first
+    dimension (``seed_state``: the stacked :meth:`~sphereml.regularizers.Regularizer.seed_state` of one regulariser
+    per seed, or empty)."""
 
-    def one_seed(params, buffers, x, y):
+    def one_seed(params, buffers, x, y, seed_state):
         state = {f"model.{name}": value for name, value in (*params.items(), *buffers.items())}
-        loss, logits, penalty = functional_call(objective, state, (x, y), strict=True)
+        loss, logits, penalty = functional_call(objective, state, (x, y, seed_state), strict=True)
         has_logits[:] = [logits is not None]  # known when the function is traced, before any result is read
         return loss, (loss.new_zeros(0) if logits is None else logits), penalty
 
@@ -167,8 +174,10 @@ def fit_seeds(models: Sequence[nn.Module], train_data: Dataset, *, seeds: Sequen
             evaluated with each seed's weights in the batched step and whose ``before_step`` runs once per step for
             all seeds (every operation of the penalty needs a batching rule: the orthogonality penalties, the
             convolutional similarity and MHE's batched energy have them); or a list with one per model, each bound
-            to its model (its own state, e.g. CoMHE's projections seeded by the run), evaluated one after another on
-            its seed's weights, ``before_step`` first.
+            to its model (its own state, e.g. CoMHE's projections seeded by the run), ``before_step`` run on its
+            seed's weights, then evaluated in the batched step as the first one with each seed's weights and
+            ``seed_state()`` when they are of a kind that allows it (``batches_seeds``) with equal settings, else one
+            after another.
         optimizer: ``"sgd"``, ``"adam"``, or ``functools.partial(torch.optim.SGD or Adam, **settings)``
             (element-wise updates, so one optimiser serves every seed: :func:`elementwise_optimizer`).
         callbacks: one list per model, called as ``fit`` calls them (:func:`stacked_callbacks`).  Trackers
@@ -216,8 +225,9 @@ def fit_seeds(models: Sequence[nn.Module], train_data: Dataset, *, seeds: Sequen
     opt = make_optimizer(optimizer, trainable, lr, weight_decay, momentum)
     sched = scheduler(opt) if scheduler is not None else None
     has_logits: list = []
-    step = _stacked_step(_Objective(models[0], loss_fn or default_loss, None if one_each else regularizer),
-                         has_logits)
+    alike = one_each and _alike(regularizer, models)  # one per seed, evaluated as the first with each one's state
+    in_step = regularizer[0] if alike else None if one_each else regularizer
+    step = _stacked_step(_Objective(models[0], loss_fn or default_loss, in_step), has_logits)
     train_data = on_device(train_data, dev)
     torch.manual_seed(seeds[0])  # random layers draw from here (not fit's streams: Note [fit_seeds is fit, ...])
     histories = [History() for _ in models]
@@ -230,10 +240,14 @@ def fit_seeds(models: Sequence[nn.Module], train_data: Dataset, *, seeds: Sequen
         orders = [torch.Generator().manual_seed(seed * 1_000_003 + epoch) for seed in seeds]  # as fit draws them
         for per_seed in zip(*(batches(train_data, batch_size, True, order) for order in orders)):
             x, y = (torch.stack(parts).to(dev, non_blocking=True) for parts in zip(*per_seed))
-            if hasattr(regularizer, "before_step"):
+            seed_state = []
+            if alike:  # each seed's before_step on its own weights, then their states stacked
+                _before_steps(regularizer, models, params)
+                seed_state = [torch.stack(parts) for parts in zip(*(reg.seed_state() for reg in regularizer))]
+            elif hasattr(regularizer, "before_step"):
                 regularizer.before_step()  # as fit: per-step state, shared by the seeds as fit's runs share it
             try:
-                loss, logits, penalty = step(params, buffers, x, y)
+                loss, logits, penalty = step(params, buffers, x, y, seed_state)
             except RuntimeError as error:
                 if "setup_context" not in str(error) and "functorch transform" not in str(error):
                     raise
@@ -242,7 +256,7 @@ def fit_seeds(models: Sequence[nn.Module], train_data: Dataset, *, seeds: Sequen
                                  "cross-entropy), or a gradient taken inside the loss (adversarial training); train "
                                  "its seeds with fit") from error
             opt.zero_grad(set_to_none=True)
-            if one_each:  # zeros from the stacked step, then each seed's own regulariser
+            if one_each and not alike:  # zeros from the stacked step, then each seed's own regulariser
                 penalty = penalty + _seed_penalties(regularizer, models, params)
             (loss + penalty).sum().backward()  # the seeds do not interact: each slice gets its own gradient
             opt.step()
@@ -332,17 +346,31 @@ class _BeforeStep(_OnSeedWeights):
         self.regularizer.before_step()  # e.g. CoMHE fitting its projections to these weights
 
 
-def _seed_penalties(regularizers, models, params: dict[str, Tensor]) -> Tensor:
-    """Tensor[S]: each seed's own regulariser on its slice of the stacked weights (its ``before_step`` on their
-    values first, as ``fit`` calls it), one seed after another."""
-    penalties = []
+def _before_steps(regularizers, models, params: dict[str, Tensor]) -> None:
+    """Each seed's regulariser's ``before_step`` on its slice of the stacked weights (detached), as ``fit`` calls it
+    before the step."""
     for i, (regularizer, model) in enumerate(zip(regularizers, models)):
-        weights = {f"model.{n}": p[i] for n, p in params.items()}
         if hasattr(regularizer, "before_step"):
-            detached = {n: w.detach() for n, w in weights.items()}
+            detached = {f"model.{name}": value[i].detach() for name, value in params.items()}
             functional_call(_BeforeStep(model, regularizer), detached, (), strict=False)
-        penalties.append(functional_call(_Penalty(model, regularizer), weights, (), strict=False))
-    return torch.stack(penalties)
+
+
+def _seed_penalties(regularizers, models, params: dict[str, Tensor]) -> Tensor:
+    """Tensor[S]: each seed's own regulariser on its slice of the stacked weights (after its ``before_step``), one
+    seed after another: for regularisers that are not :func:`_alike`."""
+    _before_steps(regularizers, models, params)
+    return torch.stack([functional_call(_Penalty(model, regularizer), {f"model.{n}": p[i] for n, p in params.items()},
+                                        (), strict=False)
+                        for i, (regularizer, model) in enumerate(zip(regularizers, models))])
+
+
+def _alike(regularizers, models: Sequence[nn.Module]) -> bool:
+    """Whether one regulariser per seed can be evaluated as the first one given each seed's weights and seed state:
+    a kind whose penalty reads nothing else (``batches_seeds``), with equal ``penalty_settings``."""
+    first = regularizers[0].penalty_settings(models[0]) if getattr(regularizers[0], "batches_seeds", False) else None
+    return first is not None and all(getattr(regularizer, "batches_seeds", False)
+                                     and regularizer.penalty_settings(model) == first
+                                     for regularizer, model in zip(regularizers[1:], models[1:]))
 
 
 def stacked_callbacks(callbacks) -> list | None:

@@ -39,6 +39,9 @@ Beside them, in this package:
 
 from __future__ import annotations
 
+import dataclasses
+from contextlib import contextmanager
+
 import torch
 from torch import Tensor, nn
 
@@ -105,6 +108,9 @@ class Regularizer:
     beta: float = 1.0
     layers: list[nn.Module]
     state_from_weights: bool = False  # whether before_step reads the weights (then each seed needs its own state)
+    # whether the penalty reads nothing but its layers' weights, its settings and seed_state(): then
+    # sphereml.multiseed.fit_seeds evaluates one such regulariser per seed in the seeds' batched step
+    batches_seeds: bool = False
 
     def _bind(self, model: nn.Module, kinds: tuple[str, ...], include_output: bool) -> None:
         self.layers = select_layers(model, kinds, include_output)
@@ -116,6 +122,31 @@ class Regularizer:
 
     def before_step(self) -> None:
         """Update per-step state (nothing here); called once per training step, before :meth:`penalty`."""
+
+    def seed_state(self) -> list[Tensor]:
+        """The tensors besides the weights that :meth:`penalty` reads and that differ from seed to seed (CoMHE's
+        projections, drawn from each run's generator): none here."""
+        return []
+
+    @contextmanager
+    def seed_state_as(self, state: list[Tensor]):
+        """Inside the block, :meth:`penalty` reads ``state`` (as :meth:`seed_state` gives it) instead of its own."""
+        yield
+
+    def penalty_settings(self, model: nn.Module) -> tuple:
+        """What makes :meth:`penalty` besides the layers' weights and :meth:`seed_state`: the class, the public
+        settings (numbers, strings, flags and option records; a seed left out, as seeds make seed states) and where
+        the layers sit in ``model``.  Two regularisers of a kind with ``batches_seeds`` and equal settings compute
+        the same penalty from the same weights and seed state."""
+        names = {module: name for name, module in model.named_modules()}
+        settings = []
+        for key, value in sorted(vars(self).items()):
+            if dataclasses.is_dataclass(value) and any(field.name == "seed" for field in dataclasses.fields(value)):
+                value = dataclasses.replace(value, seed=0)
+            if not key.startswith("_") and key != "seed" and (
+                    value is None or isinstance(value, (bool, int, float, str)) or dataclasses.is_dataclass(value)):
+                settings.append((key, value))
+        return type(self), tuple(settings), tuple(names.get(layer) for layer in self.layers)
 
     def weighted_penalty(self) -> Tensor:
         """beta times :meth:`penalty`: what is added to the loss (no state update)."""
@@ -165,6 +196,8 @@ class Orthonormality(Regularizer):
             layers. Default: False.
     """
 
+    batches_seeds = True
+
     def __init__(self, model: nn.Module, beta: float = 1e-3, include_linear: bool = False):
         self.beta = real_number("beta", beta, at_least=0.0)
         self._bind(model, ("conv", "linear") if include_linear else ("conv",), include_output=True)
@@ -194,6 +227,8 @@ class ConvSimilarity(Regularizer):
         beta (float): weight of the penalty (the paper uses 1e-3). Default: 1e-3.
         mode, method, normalized: passed to :func:`~sphereml.regularizers.convsim.conv_similarity`.
     """
+
+    batches_seeds = True
 
     def __init__(self, model: nn.Module, beta: float = 1e-3, mode: str | int = "full", method: str = "auto",
                  normalized: bool = False):
@@ -271,6 +306,8 @@ class MHE(Regularizer):
             regulariser's weight is; the thesis's defaults: 10 for full-space and
             1 for half-space hidden MHE, 1 for the output layer; App. D.1). Default: 1 and 1.
     """
+
+    batches_seeds = True
 
     def __init__(self, model: nn.Module, s: float = 2.0, half_space: bool = False, metric: str = "euclidean",
                  beta_hidden: float = 1.0, beta_output: float = 1.0, backend: str = "auto"):

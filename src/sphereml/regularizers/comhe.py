@@ -34,6 +34,7 @@ Note [CoMHE without host work]
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
 import torch
@@ -316,6 +317,19 @@ class CoMHE(MHE):
         if self.variant == "adversarial":
             self._ascend()
         self.calls += 1
+
+    def seed_state(self) -> list[Tensor]:
+        """The projections (and bilateral's combinations) as drawn, fitted or ascended: what two runs' CoMHE
+        regularisers of one network hold apart."""
+        return list(self._drawn or [])
+
+    @contextmanager
+    def seed_state_as(self, state: list[Tensor]):
+        own, self._drawn = self._drawn, list(state)
+        try:
+            yield
+        finally:
+            self._drawn = own
 
     # ------------------------------------------------------------------ the penalty (pure, batched)
     def _pack(self, group: _Group, detach: bool = False, dtype: torch.dtype = torch.float64) -> Tensor:

@@ -291,6 +291,8 @@ class OrthogonalRelaxation(Regularizer):
     ``squared=True`` gives the squared norm that eq. 7.7 prints.
     """
 
+    batches_seeds = True
+
     def __init__(self, model: nn.Module, beta: float = 0.1, squared: bool = False):
         self.beta = real_number("beta", beta, at_least=0.0)
         self.squared = bool(squared)
