@@ -57,10 +57,10 @@ def run(device: torch.device) -> dict:
         settings = dict(epochs=1, batch_size=batch, lr=1e-3, optimizer="adam", device=device)
 
         def together(name=name, nets=nets, settings=settings):
-            extras = _extras(name, nets[0], SEEDS[0])
-            for key in ("callbacks", "regularizer") if "hs_mhe" not in name else ("callbacks",):
-                if key in extras:  # one per model
-                    extras[key] = [_extras(name, net, seed)[key] for net, seed in zip(nets, SEEDS)]
+            extras = _extras(name, nets[0], SEEDS[0])  # HS-MHE: one regulariser serves every seed
+            per_model = ("callbacks", "regularizer") if name.endswith("comhe_each") else ("callbacks",)
+            for key in set(per_model) & set(extras):
+                extras[key] = [_extras(name, net, seed)[key] for net, seed in zip(nets, SEEDS)]
             fit_seeds(nets, data, seeds=SEEDS, **extras, **settings)
 
         def one_after_another(name=name, nets=nets, settings=settings):

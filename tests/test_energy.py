@@ -226,6 +226,26 @@ def test_output_energy_matches_its_definition():
     assert float(output_energy(w, labels)) == pytest.approx(sum(brute) / len(brute))
 
 
+def test_output_energy_reads_nothing_on_the_host_and_batches_over_seeds():
+    """SphereFace+'s term in each training step: no host read (the close classes come from a float64 Gram, not a
+    list of close pairs), and under vmap (seeds trained together) each slice's value and gradient."""
+    from sphereml.launches import no_host_sync
+
+    w = _w(6, 4).float().requires_grad_(True)
+    labels = torch.tensor([0, 2, 2, 5])
+    with no_host_sync():
+        output_energy(w, labels).backward()
+    stacked = torch.stack([_w(6, 4, seed=s) for s in (1, 2, 3)]).requires_grad_(True)
+    together = torch.vmap(output_energy, in_dims=(0, None))(stacked, labels)
+    together.sum().backward()
+    for i in range(3):
+        alone = stacked[i].detach().clone().requires_grad_(True)
+        value = output_energy(alone, labels)
+        value.backward()
+        torch.testing.assert_close(together[i], value.detach())
+        torch.testing.assert_close(stacked.grad[i], alone.grad)
+
+
 # ---------------------------------------------------------------- bad input
 
 @pytest.mark.parametrize("call,match", [

@@ -4,12 +4,13 @@
 import warnings
 from functools import partial
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from sphereml import launches, models
+from sphereml import launches, models, multiseed
 from sphereml.attacks import adversarial_loss
 from sphereml.heads import ArcFaceLoss, ASoftmaxLoss, LambdaSchedule
 from sphereml.layers.decoupled import DecoupledConv2d
@@ -19,6 +20,7 @@ from sphereml.multiseed import (can_train_together, elementwise_optimizer, fit_s
                                 unstack_state)
 from sphereml.regularizers import MHE, ConvSimilarity, Orthogonality, Orthonormality, opt, select_layers
 from sphereml.regularizers.comhe import CoMHE
+from sphereml.recalibration import BiasCorrectedAverage, has_running_stats
 from sphereml.train import Tracker, evaluate, fit
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -144,10 +146,11 @@ def test_a_regularizer_bound_to_the_first_model_regularizes_each_seed_as_fit_doe
         fit_seeds(together, data, seeds=seeds, regularizer=REGULARIZERS[name](together[1]), **settings)
 
 
-@pytest.mark.parametrize("variant", ["random", "angle", "adversarial"])
-def test_each_seed_can_have_its_own_regularizer(variant):
+@pytest.mark.parametrize("variant", ["random", "random_max", "angle", "adversarial", "group", "bilateral"])
+def test_each_seed_can_have_its_own_regularizer(variant, monkeypatch):
     """One CoMHE per model, its projections seeded by the run and (angle, adversarial) fitted to its own weights at
-    every step: each seed ends where fit ends it with that regulariser."""
+    every step, all evaluated in the batched step: each seed ends where fit ends it with that regulariser."""
+    monkeypatch.setattr(multiseed, "_seed_penalties", lambda *args: pytest.fail("evaluated one seed after another"))
     data, seeds = _data(), [3, 7]
     together, alone = [_cnn(s) for s in seeds], [_cnn(s) for s in seeds]
     settings = dict(epochs=2, batch_size=40, optimizer="sgd", lr=0.05, device="cpu")
@@ -162,7 +165,7 @@ def test_each_seed_can_have_its_own_regularizer(variant):
         assert history["reg"] == pytest.approx(expected["reg"], rel=1e-9) and history["reg"][0] > 0
         for key, value in _state(twin).items():
             torch.testing.assert_close(_state(model)[key], value, rtol=1e-9, atol=1e-9, msg=lambda m: key + m)
-    if variant != "random":  # one regulariser for every seed: its P would follow the first seed's weights
+    if variant in ("angle", "adversarial"):  # one regulariser for every seed: its P would follow the first seed's
         with pytest.raises(ValueError, match="before_step reads the weights"):
             fit_seeds(together, data, seeds=seeds, regularizer=comhe(together[0], 0), **settings)
     with pytest.raises(ValueError, match="regularizer 1 is not bound to models\\[1\\]"):
@@ -171,33 +174,44 @@ def test_each_seed_can_have_its_own_regularizer(variant):
         fit_seeds(together, data, seeds=seeds, regularizer=[comhe(together[0], 0)], **settings)
 
 
-def test_regularizers_that_differ_only_in_seed_state_are_evaluated_together():
+def test_one_regularizer_per_seed_is_batched_only_when_they_differ_in_seed_state_alone():
     """One regulariser per seed is evaluated as the first one with each seed's weights and state (one batched call)
-    when they differ in nothing else; otherwise one after another, which ends where fit ends too."""
-    from sphereml.multiseed import _alike
+    when each may be (its class declares batches_seeds) and their settings are equal; otherwise one after another,
+    which ends where fit ends too."""
+    from sphereml.multiseed import _alike, batches_seeds
 
     nets, seeds = [_cnn(s) for s in (3, 7)], [3, 7]
 
     def comhe(net, seed, **settings):
         return CoMHE(net, seed=seed, **{"num_proj": 2, "beta_hidden": 1e-2, "beta_output": 1e-2, **settings})
 
-    class Stateful(Orthonormality):  # a kind that does not say its penalty reads only weights and seed_state()
-        batches_seeds = False
+    class Stateful(MHE):  # a subclass may add state: it does not inherit its parent's declaration
+        pass
 
     assert _alike([comhe(net, seed) for net, seed in zip(nets, seeds)], nets)  # their seeds make their states
-    assert _alike([MHE(net, half_space=True) for net in nets], nets)
+    first, second = comhe(nets[0], 3), comhe(nets[1], 7)
+    second.calls = 5  # a counter of before_step, which the penalty does not read
+    assert _alike([first, second], nets) and _alike([MHE(net, half_space=True) for net in nets], nets)
     for unlike in ([comhe(nets[0], 3), comhe(nets[1], 7, num_proj=3)], [comhe(nets[0], 3), MHE(nets[1])],
-                   [Orthonormality(nets[0]), Orthonormality(nets[1], beta=1.0)], [Stateful(net) for net in nets]):
+                   [Orthonormality(nets[0]), Orthonormality(nets[1], beta=1.0)],
+                   [ConvSimilarity(nets[0], normalized=np.False_), ConvSimilarity(nets[1], normalized=np.True_)],
+                   [Stateful(net) for net in nets], [MHE(net, backend="dense") for net in nets]):
         assert not _alike(unlike, nets)
+    assert not batches_seeds(Stateful(nets[0])) and not batches_seeds(MHE(nets[0], backend="dense"))
     data, alone = _data(), [_cnn(s) for s in seeds]
-    betas = [1e-2, 3e-2]
     settings = dict(epochs=1, batch_size=40, optimizer="sgd", lr=0.05, device="cpu")
-    fit_seeds(nets, data, seeds=seeds, regularizer=[comhe(net, seed, beta_hidden=beta)
-                                                    for net, seed, beta in zip(nets, seeds, betas)], **settings)
-    for model, twin, seed, beta in zip(nets, alone, seeds, betas):
-        fit(twin, data, seed=seed, progress=False, regularizer=comhe(twin, seed, beta_hidden=beta), **settings)
-        for key, value in _state(twin).items():
-            torch.testing.assert_close(_state(model)[key], value, rtol=1e-9, atol=1e-9, msg=key)
+    with pytest.raises(ValueError, match="does not declare batches_seeds"):  # an energy without a batching rule
+        fit_seeds(nets, data, seeds=seeds, regularizer=MHE(nets[0], backend="dense"), **settings)
+    unlike = {"betas": lambda net, seed, i: comhe(net, seed, beta_hidden=[1e-2, 3e-2][i]),
+              "a backend": lambda net, seed, i: MHE(net, backend="dense", beta_hidden=1e-2, beta_output=1e-2)}
+    for why, make in unlike.items():
+        together, alone = [_cnn(s) for s in seeds], [_cnn(s) for s in seeds]
+        fit_seeds(together, data, seeds=seeds, regularizer=[make(net, seed, i) for i, (net, seed) in
+                                                            enumerate(zip(together, seeds))], **settings)
+        for i, (model, twin, seed) in enumerate(zip(together, alone, seeds)):
+            fit(twin, data, seed=seed, progress=False, regularizer=make(twin, seed, i), **settings)
+            for key, value in _state(twin).items():
+                torch.testing.assert_close(_state(model)[key], value, rtol=1e-9, atol=1e-9, msg=f"{why}: {key}")
 
 
 @pytest.mark.parametrize("method", ["gs", "householder", "lowdin", "cayley", "or"])
@@ -251,7 +265,8 @@ def test_can_train_together_says_when_fit_seeds_trains_as_fit_would():
                "compile": dict(settings={"compile": True}), "two optimisers": dict(optimizers=["sgd", "adam"]),
                "a function as optimiser": dict(optimizers=[lambda params: torch.optim.SGD(params, lr=0.1)] * 2),
                "a bare function as regulariser": dict(regularizers=[lambda: nets[0].head.weight.sum()]),
-               "callbacks only fit runs": dict(callbacks=[[lambda step, model: None]] * 2)}
+               "callbacks only fit runs": dict(callbacks=[[lambda step, model: None]] * 2),
+               "adversarial training": dict(settings={"loss_fn": adversarial_loss(0.1)})}
     for why, changed in refused.items():
         arguments = {"models": nets, "optimizers": ["sgd", "sgd"], **changed}
         assert not can_train_together(**arguments), why
@@ -272,14 +287,17 @@ def test_only_element_wise_optimizers_are_taken():
 
 
 def test_weight_projection_acts_on_the_stack_as_fit_calls_it():
-    """Decoupled networks trained with weight projection (every second step) and a tracker of the kernel norms after
-    it end where fit ends them seed by seed; the projection is one operation per layer for all seeds."""
+    """Decoupled networks trained with weight projection (every second step), the released code's bias-corrected
+    average of their running norms (chapter 4) and a tracker of the kernel norms after them end where fit ends them
+    seed by seed; the projection is one operation per layer for all seeds."""
     data, seeds = _data(), [3, 7, 11]
     body = "decoupled TanhConv x sigmoid, radius norm"
     together, alone = [_cnn(s, body=body) for s in seeds], [_cnn(s, body=body) for s in seeds]
+    assert has_running_stats(together[0])  # each layer's E{||x||}
 
     def callbacks(model):
-        return [WeightProjection(2), Tracker(lambda state, m=model: mean_kernel_norm(m), 1)]
+        return [WeightProjection(2), BiasCorrectedAverage(model, decay=0.9),
+                Tracker(lambda state, m=model: mean_kernel_norm(m), 1)]
 
     settings = dict(epochs=2, batch_size=40, optimizer="sgd", lr=0.5, device="cpu")
     calls = [callbacks(m) for m in together]
@@ -287,8 +305,8 @@ def test_weight_projection_acts_on_the_stack_as_fit_calls_it():
     for model, twin, seed, mine in zip(together, alone, seeds, calls):
         theirs = callbacks(twin)
         fit(twin, data, seed=seed, progress=False, callbacks=theirs, **settings)
-        assert mine[1].values == pytest.approx(theirs[1].values, rel=1e-9)
-        assert mine[1].values[1] == pytest.approx(1.0) and mine[1].values[2] != pytest.approx(1.0)  # steps 2 and 3
+        assert mine[2].values == pytest.approx(theirs[2].values, rel=1e-9)
+        assert mine[2].values[1] == pytest.approx(1.0) and mine[2].values[2] != pytest.approx(1.0)  # steps 2 and 3
         for name, value in _state(twin).items():
             torch.testing.assert_close(_state(model)[name], value, rtol=1e-9, atol=1e-9, msg=name)
     params, _ = stack_state(together)
@@ -509,10 +527,10 @@ def test_fit_seeds_on_cuda_matches_fit_seed_by_seed(body, extra):
         if extra == "HS-MHE":
             return {"regularizer": MHE(model, half_space=True, beta_hidden=1e-2, beta_output=1e-2)}
         if extra == "RP-CoMHE":  # one per seed, its projections drawn on the GPU from the run's seed
-            def comhe(net, seed):
-                return CoMHE(net, num_proj=2, beta_hidden=1e-2, beta_output=1e-2, seed=seed)
-            each = [comhe(net, s) for net, s in zip(together, seeds)]
-            return {"regularizer": each if stacked else comhe(model, seed)}
+            comhe = partial(CoMHE, num_proj=2, beta_hidden=1e-2, beta_output=1e-2)
+            if stacked:
+                return {"regularizer": [comhe(net, seed=s) for net, s in zip(together, seeds)]}
+            return {"regularizer": comhe(model, seed=seed)}
         if extra == "projection":
             return {"callbacks": [[WeightProjection()] for _ in seeds] if stacked else [WeightProjection()]}
         return {}

@@ -162,7 +162,8 @@ def adversarial_loss(eps: float, attack: str = "fgsm", weight: float = 0.5, seed
         **attack_kwargs: go to the attack (``steps``, ``step_size``).
 
     Returns:
-        callable(model, x, y) -> (loss, logits).
+        callable(model, x, y) -> (loss, logits), marked ``inner_gradient = True``: it differentiates the model
+        inside the loss, which :func:`~sphereml.multiseed.fit_seeds`' batched step cannot.
     """
     eps = real_number("eps", eps, at_least=0.0)
     one_of("attack", attack, ATTACKS)
@@ -175,4 +176,5 @@ def adversarial_loss(eps: float, attack: str = "fgsm", weight: float = 0.5, seed
         loss = (1.0 - weight) * F.cross_entropy(logits, y) + weight * F.cross_entropy(model(x_adv), y)
         return loss, logits
 
+    loss_fn.inner_gradient = True
     return loss_fn

@@ -18,14 +18,14 @@ seed=b)`` end, up to float rounding (``tests/test_multiseed.py`` checks it in fl
 (:class:`~sphereml.train.Tracker`) see each seed's model as ``fit`` shows it: at a step where one records, the
 stacked state is first copied into the models; a callback that acts on the weights alike for every seed (weight
 projection, ``stacked``) acts on the stack. A regulariser bound to the first model is evaluated with each seed's
-weights (the stacked step swaps them into the model's layers); a list of regularisers, one bound to each model, keeps
-each seed's own state (CoMHE's projections): each seed's ``before_step`` runs on its own weights, then the first
-regulariser is evaluated in the batched step with each seed's weights and state (``seed_state``) when they differ in
-nothing else, or each on its seed's weights one after another when they do; and per-epoch
-validation evaluates each model in turn. What it leaves out is what would couple or serialise the seeds: other
-callbacks, gradient hooks (weighted gradients), checkpoints, and random layers (dropout draws its noise per seed, but
-not from ``fit``'s stream). Every operation needs a batching rule: PyTorch's layers and losses have them, and so have
-our hand-written backward passes, written in the form ``torch.func`` batches (``setup_context``,
+weights (the stacked step swaps them into the model's layers). A list of regularisers, one bound to each model, keeps
+each seed's own state (CoMHE's projections): each seed's ``before_step`` runs on its own weights; then, when every one
+may be batched (:func:`batches_seeds`) and they differ in nothing but that state, the first is evaluated in the
+batched step with each seed's weights and state (``seed_state``), else each on its seed's weights, one after
+another. Per-epoch validation evaluates each model in turn. What it leaves out is what would couple or serialise the
+seeds: other callbacks, gradient hooks (weighted gradients), checkpoints, and random layers (dropout draws its noise
+per seed, but not from ``fit``'s stream). Every operation needs a batching rule: PyTorch's layers and losses have
+them, and so have our hand-written backward passes, written in the form ``torch.func`` batches (``setup_context``,
 ``generate_vmap_rule``): the margin heads' weight-normalised product, the patch layers' (SphereConv, SCS, the
 decoupled operators), the angular functions' and MHE's batched energy. The fused Triton kernels of a GPU
 (``SPHEREML_FUSED=1``: the patch epilogue, the margin cross-entropy) have none, and a network that reaches one is
@@ -49,7 +49,7 @@ from ._checks import integer, real_number
 from .train import (History, LossFn, StepState, Tracker, batches, default_loss, evaluate,
                     make_optimizer, on_device, penalty_of, resolve_device)
 
-__all__ = ["fit_seeds", "can_train_together", "stack_state", "unstack_state", "stacked_callbacks",
+__all__ = ["fit_seeds", "can_train_together", "batches_seeds", "stack_state", "unstack_state", "stacked_callbacks",
            "has_gradient_hooks", "elementwise_optimizer", "same_optimizer"]
 
 OPTIMIZERS = ("sgd", "adam")
@@ -129,7 +129,8 @@ def unstack_state(models: Sequence[nn.Module], params: dict[str, Tensor], buffer
 
 class _Objective(nn.Module):
     """``loss_fn(model, x, y)`` and the regulariser's penalty as a module's forward, so that ``functional_call`` can
-    swap the model's state: a regulariser bound to the model's layers then reads the seed's weights."""
+    swap the model's state: a regulariser bound to the model's layers then reads the seed's weights, and its seed
+    state, when given (one regulariser per seed), is swapped in too."""
 
     def __init__(self, model: nn.Module, loss_fn: LossFn, regularizer):
         super().__init__()
@@ -139,7 +140,8 @@ class _Objective(nn.Module):
         loss, logits = self.loss_fn(self.model, x, y)
         if self.regularizer is None:
             return loss, logits, loss.new_zeros(())
-        with self.regularizer.seed_state_as(seed_state) if seed_state else nullcontext():
+        swapped = self.regularizer.seed_state_as(seed_state) if seed_state else nullcontext()
+        with swapped:
             return loss, logits, penalty_of(self.regularizer)
 
 
@@ -170,14 +172,12 @@ def fit_seeds(models: Sequence[nn.Module], train_data: Dataset, *, seeds: Sequen
         train_data (Dataset): as for :func:`~sphereml.train.fit` (a TensorDataset, or one with ``device_batches``).
         seeds: one per model: its data order, as ``fit``'s ``seed``.
         epochs, batch_size, lr, weight_decay, momentum, scheduler, loss_fn, device: as for ``fit``.
-        regularizer: as for ``fit``, either one bound to ``models[0]`` (e.g. ``MHE(models[0])``), whose penalty is
-            evaluated with each seed's weights in the batched step and whose ``before_step`` runs once per step for
-            all seeds (every operation of the penalty needs a batching rule: the orthogonality penalties, the
-            convolutional similarity and MHE's batched energy have them); or a list with one per model, each bound
-            to its model (its own state, e.g. CoMHE's projections seeded by the run), ``before_step`` run on its
-            seed's weights, then evaluated in the batched step as the first one with each seed's weights and
-            ``seed_state()`` when they are of a kind that allows it (``batches_seeds``) with equal settings, else one
-            after another.
+        regularizer: as for ``fit``, either one bound to ``models[0]`` that may be batched (:func:`batches_seeds`:
+            e.g. ``MHE(models[0])``), whose penalty is evaluated with each seed's weights in the batched step and
+            whose ``before_step`` runs once per step for all seeds; or a list with one per model, each bound to its
+            model (its own state, e.g. CoMHE's projections seeded by the run), ``before_step`` run on its seed's
+            weights, then evaluated in the batched step as the first one with each seed's weights and
+            ``seed_state()`` when all may be batched with equal ``penalty_settings``, else one after another.
         optimizer: ``"sgd"``, ``"adam"``, or ``functools.partial(torch.optim.SGD or Adam, **settings)``
             (element-wise updates, so one optimiser serves every seed: :func:`elementwise_optimizer`).
         callbacks: one list per model, called as ``fit`` calls them (:func:`stacked_callbacks`).  Trackers
@@ -196,8 +196,8 @@ def fit_seeds(models: Sequence[nn.Module], train_data: Dataset, *, seeds: Sequen
     Raises:
         ValueError: no model, a number of seeds that is not the number of models, models of different
             architectures, an optimiser other than ``"sgd"`` or ``"adam"``, a regulariser bound to other layers than
-            ``models[0]``'s or whose state follows the weights, a list of regularisers that is not one bound to each
-            model, callbacks it cannot run as ``fit`` does, or a bad size or rate.
+            ``models[0]``'s, whose state follows the weights or that may not be batched, a list of regularisers that
+            is not one bound to each model, callbacks it cannot run as ``fit`` does, or a bad size or rate.
     """
     _check_same_architecture(models)
     if has_gradient_hooks(models):
@@ -226,7 +226,7 @@ def fit_seeds(models: Sequence[nn.Module], train_data: Dataset, *, seeds: Sequen
     sched = scheduler(opt) if scheduler is not None else None
     has_logits: list = []
     alike = one_each and _alike(regularizer, models)  # one per seed, evaluated as the first with each one's state
-    in_step = regularizer[0] if alike else None if one_each else regularizer
+    in_step = (regularizer[0] if alike else None) if one_each else regularizer  # else each after the step
     step = _stacked_step(_Objective(models[0], loss_fn or default_loss, in_step), has_logits)
     train_data = on_device(train_data, dev)
     torch.manual_seed(seeds[0])  # random layers draw from here (not fit's streams: Note [fit_seeds is fit, ...])
@@ -293,9 +293,11 @@ def can_train_together(models: Sequence[nn.Module], optimizers: Sequence, callba
     each model's optimiser and callbacks (as ``fit`` takes them), the regularisers (``None`` for none) and ``fit``'s
     other settings (a ``None`` value counts as not given): more than one model, callbacks it can stack
     (:func:`stacked_callbacks`), only settings it takes, no gradient hook, one element-wise optimiser alike for every
-    model (:func:`elementwise_optimizer`) and regularisers that name their layers."""
-    given = {name for name, value in (settings or {}).items() if value is not None}
-    return (len(models) > 1 and stacked_callbacks(callbacks) is not None and given <= _SETTINGS_TAKEN
+    model (:func:`elementwise_optimizer`), regularisers that name their layers and a loss without a gradient inside
+    (``inner_gradient``: adversarial training)."""
+    given = {name: value for name, value in (settings or {}).items() if value is not None}
+    return (len(models) > 1 and stacked_callbacks(callbacks) is not None and set(given) <= _SETTINGS_TAKEN
+            and not getattr(given.get("loss_fn"), "inner_gradient", False)
             and not has_gradient_hooks(models) and elementwise_optimizer(optimizers[0])
             and all(same_optimizer(other, optimizers[0]) for other in optimizers[1:])
             and all(hasattr(reg, "layers") for reg in regularizers if reg is not None))
@@ -318,6 +320,16 @@ def _check_bound(regularizer, models: Sequence[nn.Module]) -> None:
     if getattr(regularizer, "state_from_weights", False):
         raise ValueError(f"{type(regularizer).__name__}'s before_step reads the weights (angle-fitted or "
                          "adversarial projections), so each seed needs its own: give a list, one per model")
+    if regularizer is not None and not batches_seeds(regularizer):
+        raise ValueError(f"{type(regularizer).__name__} does not declare batches_seeds (other state, or an energy "
+                         "without a batching rule), so it cannot serve every seed: give a list, one per model")
+
+
+def batches_seeds(regularizer) -> bool:
+    """Whether :func:`fit_seeds` may evaluate ``regularizer``'s penalty in the seeds' batched step: its own class
+    (not only a parent, which knows nothing of a subclass's state) declares ``batches_seeds``, and it is true for
+    this one (:class:`~sphereml.regularizers.Regularizer`)."""
+    return "batches_seeds" in vars(type(regularizer)) and bool(regularizer.batches_seeds)
 
 
 def _bound_to(regularizer, model: nn.Module) -> bool:
@@ -366,11 +378,9 @@ def _seed_penalties(regularizers, models, params: dict[str, Tensor]) -> Tensor:
 
 def _alike(regularizers, models: Sequence[nn.Module]) -> bool:
     """Whether one regulariser per seed can be evaluated as the first one given each seed's weights and seed state:
-    a kind whose penalty reads nothing else (``batches_seeds``), with equal ``penalty_settings``."""
-    first = regularizers[0].penalty_settings(models[0]) if getattr(regularizers[0], "batches_seeds", False) else None
-    return first is not None and all(getattr(regularizer, "batches_seeds", False)
-                                     and regularizer.penalty_settings(model) == first
-                                     for regularizer, model in zip(regularizers[1:], models[1:]))
+    each may be (:func:`batches_seeds`), and all have the first one's ``penalty_settings``."""
+    return all(map(batches_seeds, regularizers)) and len(
+        {reg.penalty_settings(model) for reg, model in zip(regularizers, models)}) == 1
 
 
 def stacked_callbacks(callbacks) -> list | None:

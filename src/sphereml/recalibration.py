@@ -105,7 +105,9 @@ class BiasCorrectedAverage:
     After step t the next batch gets the weight (1 - decay) / (1 - decay^(t+1)), so after T batches a running
     statistic is sum_t (1 - decay) decay^(T-t) b_t / (1 - decay^T): no bias towards the initial value.  The
     weights training uses are untouched (training normalises by batch statistics).  The running statistics are
-    reset here; construct it just before :func:`~sphereml.train.fit`.
+    reset here; construct it just before :func:`~sphereml.train.fit`.  Under
+    :func:`~sphereml.multiseed.fit_seeds` it runs once per step for every seed (:meth:`stacked`): the seeds share
+    their step count, so one weight serves them all.
     """
 
     def __init__(self, model: nn.Module, decay: float = 0.999):
@@ -116,6 +118,20 @@ class BiasCorrectedAverage:
             m.momentum = 1.0  # the first batch's statistics, where the corrected average starts
 
     def __call__(self, state) -> None:
-        weight = (1 - self.decay) / (1 - self.decay ** (state.step + 1))
-        for m in self.modules:
+        self._set_weight(self.modules, state.step)
+
+    def _set_weight(self, modules: list[nn.Module], step: int) -> None:
+        weight = (1 - self.decay) / (1 - self.decay ** (step + 1))
+        for m in modules:
             m.momentum = weight
+
+    def stacked(self, step: int, model: nn.Module, params) -> None:
+        """:meth:`__call__` for the stacked seeds of :func:`~sphereml.multiseed.fit_seeds`, whose batched step runs
+        ``model``'s modules (the first seed's) with every seed's state: their momentum is every seed's."""
+        self._set_weight(_with_running_stats(model), step)
+
+    def __eq__(self, other) -> bool:  # alike for every seed: fit_seeds runs one of them on the stack
+        return type(other) is BiasCorrectedAverage and self.decay == other.decay
+
+    def __hash__(self) -> int:
+        return hash(("BiasCorrectedAverage", self.decay))

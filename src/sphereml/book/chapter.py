@@ -42,7 +42,7 @@ from torch.utils.data import TensorDataset
 from .. import _io, data, distributed
 from . import recipes, viz
 from .._checks import integer
-from ..multiseed import can_train_together, fit_seeds
+from ..multiseed import batches_seeds, can_train_together, fit_seeds
 from ..recalibration import has_running_stats, recalibrate, stats_fresh
 from ..train import collect_outputs, evaluate, fit, resolve_device, seed_everything
 from .report import ClaimCard, VerdictTable, show
@@ -285,8 +285,8 @@ class Chapter:
         model, each with an equal share of the time when together; :meth:`evaluate` recalibrates each model as after
         :meth:`fit`."""
         _check_per_model(models, seeds=seeds, callbacks=callbacks, regularizers=regularizers, optimizers=optimizers)
-        for alike, each in ((make_regularizer, regularizers), (kwargs.get("optimizer"), optimizers)):
-            if alike is not None and each is not None:
+        for for_every_seed, each in ((make_regularizer, regularizers), (kwargs.get("optimizer"), optimizers)):
+            if for_every_seed is not None and each is not None:
                 raise ValueError("give make_regularizer or optimizer (alike for every seed), or regularizers or "
                                  "optimizers (one per model), not both")
         if "regularizer" in kwargs:
@@ -297,7 +297,7 @@ class Chapter:
         regularizers = regularizers or [None] * len(models)
         together = self.seeds_together and can_train_together(models, optimizers, callbacks, [shared, *regularizers],
                                                               kwargs)
-        if shared is not None and (not together or getattr(shared, "state_from_weights", False)):
+        if shared is not None and (not together or shared.state_from_weights or not batches_seeds(shared)):
             regularizers, shared = [shared] + [make_regularizer(m) for m in models[1:]], None  # one per model
         if not together:
             return [self.fit(model, train_data, recipe, seed=seed, callbacks=list(calls), regularizer=reg,

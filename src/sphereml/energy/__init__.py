@@ -41,7 +41,7 @@ from ..geometry import normalize
 from .batched import REDUCTIONS, LayerEnergies, PointSets, pair_weights
 from .gram import gram_energies
 from .dense import dense_energy
-from .kernels import METRICS, pair_values, squared_distances
+from .kernels import METRICS, pair_values
 from .sharded import sharded_energy
 from .tiled import tiled_energy
 from .triton_backend import TRITON_DTYPES, matmul_precision, triton_energy, triton_importable, usable_on
@@ -289,9 +289,9 @@ def output_energy(weight: Tensor, labels: Tensor, s: float = 2.0, eps: float = 1
     if isinstance(labels, Tensor) and labels.dim() != 1:
         raise ValueError(f"labels must be a Tensor[m], got shape {tuple(labels.shape)}")
     _check_labels("labels", labels, len(labels) if isinstance(labels, Tensor) else 0, num_classes=len(weight))
-    unit = normalize(weight)
-    own = torch.zeros(len(labels), len(weight), dtype=torch.bool, device=unit.device)
-    own[torch.arange(len(labels), device=unit.device), labels] = True  # (m, N): the pairs (y_i, y_i)
-    r2, _ = squared_distances(unit[labels], unit, unit[labels] @ unit.T, skip=own)  # (m, N)
+    unit = normalize(weight).to(torch.float64)  # a float64 Gram: close classes exact without a host read
+    squared = unit.square().sum(1)
+    r2 = squared[labels, None] + squared[None, :] - 2 * (unit[labels] @ unit.T)  # (m, N)
+    own = labels[:, None] == torch.arange(len(weight), device=labels.device)  # the pairs (y_i, y_i)
     values, _ = pair_values(r2, None, None, s, "euclidean", eps)
-    return values[~own].mean()
+    return (values.masked_fill(own, 0.0).sum() / (len(labels) * (len(weight) - 1))).to(weight.dtype)

@@ -108,9 +108,11 @@ class Regularizer:
     beta: float = 1.0
     layers: list[nn.Module]
     state_from_weights: bool = False  # whether before_step reads the weights (then each seed needs its own state)
-    # whether the penalty reads nothing but its layers' weights, its settings and seed_state(): then
-    # sphereml.multiseed.fit_seeds evaluates one such regulariser per seed in the seeds' batched step
+    # whether sphereml.multiseed.fit_seeds may evaluate the penalty in the seeds' batched step: it reads nothing but
+    # its layers' weights, the settings named in setting_names and seed_state(), through operations with batching
+    # rules.  Only a class's own declaration counts (a subclass may add state): see multiseed.batches_seeds
     batches_seeds: bool = False
+    setting_names: tuple[str, ...] = ("beta",)  # what, besides the layers, makes the penalty (penalty_settings)
 
     def _bind(self, model: nn.Module, kinds: tuple[str, ...], include_output: bool) -> None:
         self.layers = select_layers(model, kinds, include_output)
@@ -134,18 +136,17 @@ class Regularizer:
         yield
 
     def penalty_settings(self, model: nn.Module) -> tuple:
-        """What makes :meth:`penalty` besides the layers' weights and :meth:`seed_state`: the class, the public
-        settings (numbers, strings, flags and option records; a seed left out, as seeds make seed states) and where
-        the layers sit in ``model``.  Two regularisers of a kind with ``batches_seeds`` and equal settings compute
-        the same penalty from the same weights and seed state."""
+        """What makes :meth:`penalty` besides the layers' weights and :meth:`seed_state`: the class, the settings
+        named in ``setting_names`` (as ``repr`` gives them; an option record's seed left out, as seeds make seed
+        states) and where the layers sit in ``model``.  Two regularisers of a class that declares ``batches_seeds``
+        with equal settings compute the same penalty from the same weights and seed state."""
         names = {module: name for name, module in model.named_modules()}
         settings = []
-        for key, value in sorted(vars(self).items()):
+        for key in self.setting_names:
+            value = getattr(self, key)
             if dataclasses.is_dataclass(value) and any(field.name == "seed" for field in dataclasses.fields(value)):
                 value = dataclasses.replace(value, seed=0)
-            if not key.startswith("_") and key != "seed" and (
-                    value is None or isinstance(value, (bool, int, float, str)) or dataclasses.is_dataclass(value)):
-                settings.append((key, value))
+            settings.append((key, repr(value)))
         return type(self), tuple(settings), tuple(names.get(layer) for layer in self.layers)
 
     def weighted_penalty(self) -> Tensor:
@@ -210,6 +211,8 @@ class Orthogonality(Orthonormality):
     """beta * sum over layers of :func:`orthogonality_penalty` (the decoupled networks' regulariser, §4.5);
     arguments as :class:`Orthonormality`.  The thesis gives no beta; the default is 1e-3."""
 
+    batches_seeds = True
+
     def penalty(self) -> Tensor:
         return sum(orthogonality_penalty(m.weight) for m in self.layers)
 
@@ -229,6 +232,7 @@ class ConvSimilarity(Regularizer):
     """
 
     batches_seeds = True
+    setting_names = ("beta", "mode", "method", "normalized")
 
     def __init__(self, model: nn.Module, beta: float = 1e-3, mode: str | int = "full", method: str = "auto",
                  normalized: bool = False):
@@ -307,7 +311,13 @@ class MHE(Regularizer):
             1 for half-space hidden MHE, 1 for the output layer; App. D.1). Default: 1 and 1.
     """
 
-    batches_seeds = True
+    setting_names = ("s", "half_space", "metric", "beta_hidden", "beta_output", "backend")
+
+    @property
+    def batches_seeds(self) -> bool:
+        """Every energy goes through the batched evaluation (an explicit backend, or a layer above BATCHED_MAX, goes
+        through :func:`~sphereml.energy.hyperspherical_energy`, which has no batching rule)."""
+        return not self._single
 
     def __init__(self, model: nn.Module, s: float = 2.0, half_space: bool = False, metric: str = "euclidean",
                  beta_hidden: float = 1.0, beta_output: float = 1.0, backend: str = "auto"):

@@ -318,6 +318,9 @@ class CoMHE(MHE):
             self._ascend()
         self.calls += 1
 
+    batches_seeds = MHE.batches_seeds  # declared again: only a class's own declaration counts
+    setting_names = MHE.setting_names + ("variant", "options")
+
     def seed_state(self) -> list[Tensor]:
         """The projections (and bilateral's combinations) as drawn, fitted or ascended: what two runs' CoMHE
         regularisers of one network hold apart."""
@@ -325,6 +328,7 @@ class CoMHE(MHE):
 
     @contextmanager
     def seed_state_as(self, state: list[Tensor]):
+        """Inside the block, the penalty projects with ``state`` (another seed's projections); its own afterwards."""
         own, self._drawn = self._drawn, list(state)
         try:
             yield

@@ -292,6 +292,7 @@ class OrthogonalRelaxation(Regularizer):
     """
 
     batches_seeds = True
+    setting_names = ("beta", "squared")
 
     def __init__(self, model: nn.Module, beta: float = 0.1, squared: bool = False):
         self.beta = real_number("beta", beta, at_least=0.0)
