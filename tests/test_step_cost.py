@@ -15,7 +15,7 @@ from sphereml.regularizers import opt
 from sphereml import regularizers as R
 from sphereml.regularizers.comhe import VARIANTS, CoMHE
 from sphereml.layers.decoupled import DecoupledConv2d
-from sphereml.energy import batched, gram
+from sphereml.energy import batched, gram, output_energy
 from sphereml.launches import HostSyncError, count_ops, no_host_sync
 from sphereml.layers.scs import SharpenedCosineSimilarity2d
 from sphereml.layers.sphereconv import SphereConv2d
@@ -153,7 +153,7 @@ def _layer_case(make, device):
     return step
 
 
-def _head_case(head, device):
+def _head_case(head, device, output_mhe=False):
     torch.manual_seed(0)
     net = models.Classifier(models.plain_cnn(3, widths=(8, 8, 8), feature_dim=16, feature_act=False), 10,
                             head=head(16, 10)).to(device)
@@ -162,7 +162,10 @@ def _head_case(head, device):
 
     def step():
         sgd.zero_grad()
-        net.loss_and_logits(x, y)[0].backward()
+        loss = net.loss_and_logits(x, y)[0]
+        if output_mhe:  # SphereFace+ (eq. 5.8): the batch's own classes pushed from the others
+            loss = loss + output_energy(net.head.weight, y)
+        loss.backward()
         sgd.step()
     step()
     return step
@@ -183,6 +186,7 @@ SYNC_FREE = {  # name -> device -> one training step (warmed up once)
     **{name: (lambda d, h=getattr(margins, name): _head_case(h, d))
        for name in ("NormalizedSoftmaxLoss", "LSoftmaxLoss", "ASoftmaxLoss", "CosFaceLoss", "ArcFaceLoss",
                     "GASoftmaxLoss", "WSoftmaxLoss")},
+    "SphereFace+": lambda d: _head_case(margins.ASoftmaxLoss, d, output_mhe=True),
 }
 
 
