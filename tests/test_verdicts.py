@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from sphereml.book.verdicts import (NOT_TESTABLE, VERDICTS, SeedComparison, SeedTable, compare_over_seeds, every, given,
-    trains, verdict_name, within)
+from sphereml.book.verdicts import (NOT_TESTABLE, VERDICTS, SeedComparison, SeedTable, compare_over_seeds,
+                                    evaluation_noise, every, given, trains, verdict_name, within)
 
 
 def test_one_seed_uses_the_floor_and_the_binomial_noise():
@@ -18,6 +18,8 @@ def test_one_seed_uses_the_floor_and_the_binomial_noise():
     assert result.difference == pytest.approx(0.01) and result.holds is None
     assert compare_over_seeds([0.80], [0.78], floor=0.005, n_eval=10_000).holds is True
     assert compare_over_seeds([0.78], [0.80], floor=0.005, n_eval=10_000).holds is False
+    assert evaluation_noise(0.795, 10_000) == pytest.approx(binomial)
+    assert evaluation_noise(0.795, 10_000, terms=4) == pytest.approx(math.sqrt(2) * binomial)  # a difference of gains
 
 
 def test_without_n_eval_only_the_floor_and_the_seeds_count():

@@ -58,7 +58,8 @@ from scipy import stats
 
 from .._checks import integer
 
-__all__ = ["VERDICTS", "NOT_TESTABLE", "verdict_name", "SeedComparison", "compare_over_seeds", "SeedTable",
+__all__ = ["VERDICTS", "NOT_TESTABLE", "verdict_name", "SeedComparison", "evaluation_noise", "compare_over_seeds",
+           "SeedTable",
            "GroupComparison", "trains", "given", "every", "within", "bootstrap_noise"]
 
 NOT_TESTABLE = "not testable"  # the fourth verdict (True, False and None are the other three)
@@ -148,6 +149,12 @@ def _values(name: str, values) -> list[float]:
     return values
 
 
+def evaluation_noise(accuracy: float, n_eval: int, terms: int = 2) -> float:
+    """Twice the binomial standard error of a sum or difference of ``terms`` accuracies near ``accuracy``, each
+    measured on ``n_eval`` items: two for a difference of accuracies, four for a difference of two gains."""
+    return 2 * math.sqrt(terms * accuracy * (1 - accuracy) / n_eval)
+
+
 def compare_over_seeds(a, b, *, floor: float, n_eval: int | None = None, confidence: float = 0.95
                        ) -> SeedComparison:
     """Compare variant ``a`` with variant ``b`` over paired seeds (Note [noise level of a paired comparison]).
@@ -182,8 +189,7 @@ def compare_over_seeds(a, b, *, floor: float, n_eval: int | None = None, confide
             raise ValueError(f"n_eval must be a positive int, got {n_eval!r}")
         if not all(0 <= v <= 1 for v in a + b):
             raise ValueError("with n_eval the values must be accuracies in [0, 1]")
-        p = (mean_a + mean_b) / 2
-        noise = max(noise, 2 * math.sqrt(2 * p * (1 - p) / size))
+        noise = max(noise, evaluation_noise((mean_a + mean_b) / 2, size))
     spread = None
     if k > 1:
         spread = math.sqrt(sum((d - difference) ** 2 for d in diffs) / (k - 1))
