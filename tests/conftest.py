@@ -18,6 +18,17 @@ def restore_rng():
     np.random.set_state(np_state)
 
 
+@pytest.fixture(autouse=True)
+def restore_backends():
+    """A chapter's run sets cuDNN's and cuBLAS's numerics for the process (``configure_backends``); tests that run
+    one leave the next test in the same worker the defaults."""
+    cudnn, precision = (torch.backends.cudnn.benchmark, torch.backends.cudnn.allow_tf32), \
+        torch.get_float32_matmul_precision()
+    yield
+    torch.backends.cudnn.benchmark, torch.backends.cudnn.allow_tf32 = cudnn
+    torch.set_float32_matmul_precision(precision)
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """Small tensors (and the Triton interpreter's small numpy ops): one thread is faster and immune to

@@ -316,11 +316,14 @@ def test_published_sources_clones_once_and_refuses_remote_clones_offline(tmp_pat
 
 def test_full_scale_runs_on_cuda_let_cudnn_pick_its_algorithms_and_keep_tf32_off(monkeypatch):
     monkeypatch.setattr(torch.backends.cudnn, "benchmark", False)
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", True)  # PyTorch's default for convolutions
     assert chapter.configure_backends("cpu", torch.device("cuda")) == {
-        "cudnn_benchmark": False, "float32_matmul_precision": "highest"}
+        "cudnn_benchmark": False, "cudnn_allow_tf32": False, "float32_matmul_precision": "highest"}
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", True)
+    assert chapter.configure_backends("gpu", torch.device("cpu"))["cudnn_allow_tf32"] is True  # the CPU's untouched
     assert chapter.configure_backends("gpu", torch.device("cpu"))["cudnn_benchmark"] is False
     assert chapter.configure_backends("paper", torch.device("cuda")) == {
-        "cudnn_benchmark": True, "float32_matmul_precision": "highest"}
+        "cudnn_benchmark": True, "cudnn_allow_tf32": False, "float32_matmul_precision": "highest"}
 
 
 def test_published_sources_says_when_git_is_missing(tmp_path, monkeypatch):

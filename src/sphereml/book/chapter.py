@@ -79,13 +79,15 @@ def configure_backends(profile: str, device: torch.device) -> dict:
 
     A ``gpu`` or ``paper`` run on CUDA turns on ``torch.backends.cudnn.benchmark``: its shapes are fixed, so cuDNN
     may time its convolution algorithms once and keep the fastest, which changes results only at float rounding
-    (and makes two runs differ there).  TF32 stays off in every chapter: several check float32 identities to
-    1e-5 or finer on their ``gpu`` scale, which TF32's 10-bit mantissa would break, and no GPU run has yet shown
-    which chapters' numbers survive it.
+    (and makes two runs differ there).  TF32 stays off in every chapter, for products (PyTorch's default) and for
+    cuDNN's convolutions (whose default is on, so it is turned off here): several chapters check float32
+    identities to 1e-5 or finer on their ``gpu`` scale, which TF32's 10-bit mantissa would break, and no GPU run
+    has yet shown which chapters' numbers survive it.
     """
-    if profile in FULL_SCALE and device.type == "cuda":
-        torch.backends.cudnn.benchmark = True
-    return {"cudnn_benchmark": torch.backends.cudnn.benchmark,
+    if device.type == "cuda":
+        torch.backends.cudnn.allow_tf32 = False
+        torch.backends.cudnn.benchmark = profile in FULL_SCALE or torch.backends.cudnn.benchmark
+    return {"cudnn_benchmark": torch.backends.cudnn.benchmark, "cudnn_allow_tf32": torch.backends.cudnn.allow_tf32,
             "float32_matmul_precision": torch.get_float32_matmul_precision()}
 
 
