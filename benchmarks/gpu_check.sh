@@ -10,7 +10,8 @@
 #             test: SPHEREML_NO_DEV_TOOLS=1); each test's duration in $OUT/durations.txt; failing node ids
 #             in $OUT/failures.txt, their messages in $OUT/failure-messages.txt as they happen (so a suite
 #             stopped by its limit still says why), the whole log in $OUT/tests.txt     (TESTS_LIMIT, 240 s)
-#   bench     every benchmark on CUDA but the energy's scaling study (or the listed ones) (BENCH_LIMIT, 240 s)
+#   bench     every benchmark on CUDA but the energy's scaling study (or the listed ones), with inductor's
+#             reasons for skipping CUDA graphs (TORCH_LOGS=perf_hints)                    (BENCH_LIMIT, 240 s)
 #   scaling   the energy's scaling study up to N = 2^20                                   (SCALING_LIMIT, 500 s)
 #   profile   each patch layer by backend: wall, host and device time per call, top kernels (PROFILE_LIMIT, 120 s)
 #   chapter:NAME / chapters   a chapter's gpu profile (all nine, one after another; chapters-at-once: all at
@@ -78,7 +79,8 @@ for part in "${PARTS[@]}"; do
       if [ -z "$names" ]; then
         names=$(ls benchmarks/bench_*.py | sed -E 's|.*/bench_(.*)\.py|\1|' | tr '\n' ' ')
       fi
-      step bench "${BENCH_LIMIT:-240}" $PY -m benchmarks ${names//,/ }
+      # perf_hints: inductor says when it skips CUDA graphs for a compiled candidate, and why
+      TORCH_LOGS=${TORCH_LOGS-perf_hints} step bench "${BENCH_LIMIT:-240}" $PY -m benchmarks ${names//,/ }
       ;;
     scaling)
       step scaling "${SCALING_LIMIT:-500}" $PY -m benchmarks.bench_energy --only scaling
