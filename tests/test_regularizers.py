@@ -8,8 +8,8 @@ from sphereml.regularizers.convsim import conv_similarity
 from sphereml.energy import hyperspherical_energy as E
 from sphereml.heads.margins import ASoftmaxLoss
 from sphereml.models import Classifier, ConvNet
-from sphereml.regularizers import (MHE, ConvSimilarity, Orthonormality, iterative_initialization, model_similarity,
-    orthonormality_penalty, output_layer, select_layers)
+from sphereml.regularizers import (MHE, ConvSimilarity, Orthonormality, feature_map_cosines, iterative_initialization,
+    model_similarity, orthonormality_penalty, output_layer, select_layers)
 from sphereml.layers.sphereconv import SphereConv2d, SphereLinear
 from sphereml.train import fit
 
@@ -94,6 +94,54 @@ def test_iterative_initialization_lowers_loss_and_shrinks_kernels():
     assert history["squared_norm"][-1] < history["squared_norm"][0]
     torch.testing.assert_close(torch.tensor(history["loss"][-1]), model_similarity(model).detach(),
                                rtol=1e-5, atol=1e-7)
+
+
+def _two_conv_net():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Conv2d(2, 3, 3, padding=1), torch.nn.BatchNorm2d(3), torch.nn.ReLU(),
+                               torch.nn.Conv2d(3, 4, 3, stride=2), torch.nn.BatchNorm2d(4), torch.nn.Flatten())
+
+
+def test_feature_map_cosines_against_pairwise_cosines():
+    """Oracle: every pair of bias-free maps of each conv, cosines one pair at a time, in training mode."""
+    net, x = _two_conv_net().double(), torch.randn(5, 2, 9, 9, dtype=F64)
+    oracle_net = _two_conv_net().double().train()
+    first, second = oracle_net[0], oracle_net[3]
+    with torch.no_grad():
+        hidden = oracle_net[:3](x)
+        layer_maps = [torch.nn.functional.conv2d(x, first.weight, None, 1, 1),
+                      torch.nn.functional.conv2d(hidden, second.weight, None, 2, 0)]
+    expected = []
+    for maps in layer_maps:
+        flat, c = maps.flatten(2), maps.shape[1]
+        pairs = [torch.nn.functional.cosine_similarity(flat[:, i], flat[:, j], dim=1).abs()
+                 for i in range(c) for j in range(c) if i != j]
+        expected.append(torch.stack(pairs).mean(0))
+    torch.testing.assert_close(feature_map_cosines(net, x), torch.stack(expected).mean(0), rtol=1e-12, atol=1e-12)
+
+
+def test_feature_map_cosines_known_values_and_model_left_alone():
+    parallel = torch.nn.Conv2d(1, 2, 1, bias=False)
+    with torch.no_grad():
+        parallel.weight.copy_(torch.tensor([1.0, -2.0]).view(2, 1, 1, 1))
+    torch.testing.assert_close(feature_map_cosines(parallel, torch.rand(3, 1, 4, 4) + 0.1), torch.ones(3))
+    picks = torch.nn.Conv2d(2, 2, 1, bias=False)
+    with torch.no_grad():
+        picks.weight.copy_(torch.eye(2).view(2, 2, 1, 1))
+    x = torch.zeros(2, 2, 4, 4)
+    x[:, 0, :2], x[:, 1, 2:] = 1.0, 3.0  # disjoint supports: orthogonal maps
+    torch.testing.assert_close(feature_map_cosines(picks, x), torch.zeros(2))
+    net = _two_conv_net().eval()
+    state = {k: v.clone() for k, v in net.state_dict().items()}
+    feature_map_cosines(net, torch.randn(4, 2, 9, 9))
+    assert not net.training and all(torch.equal(v, net.state_dict()[k]) for k, v in state.items())
+
+
+def test_feature_map_cosines_bad_arguments():
+    with pytest.raises(ValueError, match="at least two kernels"):
+        feature_map_cosines(torch.nn.Sequential(torch.nn.Conv2d(2, 1, 3), torch.nn.Flatten()), torch.randn(1, 2, 5, 5))
+    with pytest.raises(ValueError, match="padding_mode"):
+        feature_map_cosines(torch.nn.Conv2d(1, 2, 3, padding=1, padding_mode="reflect"), torch.randn(1, 1, 5, 5))
 
 
 # ---------------------------------------------------------------- MHE

@@ -39,10 +39,12 @@ Beside them, in this package:
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from contextlib import contextmanager
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .._checks import integer, one_of, real_number
@@ -53,7 +55,7 @@ from .convsim import conv_similarity
 __all__ = [
     "LAYER_KINDS", "output_layer", "select_layers", "Regularizer", "orthonormality_penalty", "Orthonormality",
     "orthogonality_penalty", "Orthogonality",
-    "ConvSimilarity", "model_similarity", "iterative_initialization", "MHE",
+    "ConvSimilarity", "model_similarity", "iterative_initialization", "feature_map_cosines", "MHE",
 ]
 
 LAYER_KINDS = ("conv", "linear")
@@ -284,6 +286,41 @@ def iterative_initialization(model: nn.Module, steps: int, lr: float = 1e-3, bet
     with torch.no_grad():
         tracked_loss()  # the state after the last step
     return history
+
+
+def feature_map_cosines(model: nn.Module, inputs: Tensor) -> Tensor:
+    """The feature-map similarity that convolutional similarity aims to lower, measured in a network: for each
+    input, the mean |cos| between the bias-free maps X ⊛ K_i and X ⊛ K_j (i != j) of every conv layer with at
+    least two kernels, X the layer's input, averaged over those layers; Tensor[B].
+
+    Measured on a copy of ``model`` in training mode, so BatchNorm normalises with the batch's own statistics
+    (a network just initialised, or shrunk by :func:`iterative_initialization`, passes tiny activations on in
+    eval mode, and the conv biases would dominate every later map); ``model`` itself is left as it was.
+    """
+    probe = copy.deepcopy(model).train()
+    per_layer = []
+
+    def record(layer, args, _output):
+        if layer.padding_mode != "zeros":
+            raise ValueError(f"feature_map_cosines needs zero padding, got padding_mode={layer.padding_mode!r}")
+        conv = getattr(F, f"conv{layer.weight.dim() - 2}d")
+        maps = conv(args[0], layer.weight, None, layer.stride, layer.padding, layer.dilation, layer.groups)
+        unit = maps.flatten(2) / maps.flatten(2).norm(dim=2, keepdim=True).clamp_min(1e-12)
+        cos = (unit @ unit.transpose(1, 2)).abs()
+        kernels = cos.shape[1]
+        per_layer.append((cos.sum((1, 2)) - cos.diagonal(dim1=1, dim2=2).sum(1)) / (kernels * (kernels - 1)))
+
+    layers = [m for m in select_layers(probe, ("conv",)) if m.weight.shape[0] > 1]
+    if not layers:
+        raise ValueError("feature_map_cosines needs a conv layer with at least two kernels")
+    hooks = [layer.register_forward_hook(record) for layer in layers]
+    try:
+        with torch.no_grad():
+            probe(inputs)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return torch.stack(per_layer).mean(0)
 
 
 class MHE(Regularizer):
