@@ -290,8 +290,8 @@ def iterative_initialization(model: nn.Module, steps: int, lr: float = 1e-3, bet
 
 def feature_map_cosines(model: nn.Module, inputs: Tensor) -> Tensor:
     """The feature-map similarity that convolutional similarity aims to lower, measured in a network: for each
-    input, the mean |cos| between the bias-free maps X ⊛ K_i and X ⊛ K_j (i != j) of every conv layer with at
-    least two kernels, X the layer's input, averaged over those layers; Tensor[B].
+    input, the mean absolute cosine between the bias-free maps X ⊛ K_i and X ⊛ K_j (i != j) of every conv layer with
+    at least two kernels, X the layer's input, averaged over those layers; Tensor[B].
 
     Measured on a copy of ``model`` in training mode, so BatchNorm normalises with the batch's own statistics
     (a network just initialised, or shrunk by :func:`iterative_initialization`, passes tiny activations on in
