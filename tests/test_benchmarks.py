@@ -149,3 +149,20 @@ def test_the_layer_profile_runs_and_accounts_for_its_time(layer, monkeypatch, ca
     for label, seconds in found.items():
         assert 0 < seconds["host"] <= seconds["wall"], label
     assert f"--- {layer} (reference): wall" in capsys.readouterr().out
+
+
+def test_a_saved_result_reads_as_device_times_ratios_ops_and_goals(tmp_path):
+    from sphereml.timing import describe_saved, save_result
+
+    result = {"device": "NVIDIA H200", "date": "2026-11-27", "seconds": {"none": 0.004, "MHE": 0.005},
+              "ops_per_call": {"none": 91, "MHE": 1301}}
+    path = save_result(result, tmp_path / "step-cuda.json")
+    text = describe_saved(path, "none", {"MHE": 1.10})
+    lines = text.splitlines()
+    assert lines[0] == "NVIDIA H200, 2026-11-27:"
+    rows = {line.split()[0]: line.split()[1:] for line in lines[1:-1]}
+    assert rows["MHE"] == ["5.00", "ms", "1.25", "x", "none", "1,301", "ops"]
+    assert rows["none"] == ["4.00", "ms", "1.00", "x", "none", "91", "ops"]
+    assert lines[-1] == "goals: MHE at most 1.1 x missed"
+    assert describe_saved(path, "none", {"MHE": 1.3}).endswith("MHE at most 1.3 x met")
+    assert describe_saved(tmp_path / "absent.json", "none") is None

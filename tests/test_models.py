@@ -180,3 +180,20 @@ def test_resnet18_takes_sharpened_cosine_layers():
     assert len(scs) == 20  # every convolution, the 1x1 shortcuts included
     out = net(torch.randn(2, 3, 32, 32))
     assert out.shape == (2, 10) and torch.isfinite(out).all()
+
+
+def test_opt_cnn_builds_fc6_with_or_without_its_norm_and_activation():
+    """Table F.1's CNN-6: fc6 is a conv as large as the last map; the authors' code puts neither BatchNorm nor
+    ReLU after it (``plain_fc6``), so its features can be negative and scale with its weights."""
+    torch.manual_seed(0)
+    ours, plain = models.opt_cnn(6, width=8), models.opt_cnn(6, width=8, plain_fc6=True)
+    assert [type(m).__name__ for m in ours.feature] == ["Unflatten", "Conv2d", "BatchNorm2d", "ReLU", "Flatten"]
+    assert [type(m).__name__ for m in plain.feature] == ["Unflatten", "Conv2d", "Flatten"]
+    plain.load_state_dict({k: v for k, v in ours.state_dict().items() if not k.startswith("feature.2")})
+    x = torch.randn(4, 3, 32, 32)
+    features = plain(x)
+    assert features.shape == (4, 8) and (features < 0).any()
+    with torch.no_grad():
+        plain.feature[1].weight.mul_(2.0)
+        plain.feature[1].bias.mul_(2.0)
+    assert torch.allclose(plain(x), 2 * features, atol=1e-5)

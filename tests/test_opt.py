@@ -162,6 +162,28 @@ def test_unit_raw_std_starts_each_raw_block_with_rows_near_unit_norm(blocks):
         make("units")
 
 
+def test_rotation_rates_scale_as_one_over_the_square_of_the_raw_scale_and_sum_over_shared_copies():
+    """GS gives the same R for c U: the gradient scales as 1 / c, the relative step as 1 / c^2.  A shared block's
+    gradient is the sum of its copies' (here compared with an independent layer whose blocks all start alike)."""
+    def rates(std, shared, blocks=2):
+        layer = opt.orthogonal_overparameterize(_layer(), "gs", blocks=blocks, shared=shared,
+                                                generator=torch.Generator().manual_seed(3), raw_std=std)
+        if not shared:  # both blocks start as the shared one: the same network
+            with torch.no_grad():
+                opt.rotation_module(layer).raw[1] = opt.rotation_module(layer).raw[0]
+        layer(_input(layer)).pow(2).sum().backward()
+        return opt.rotation_rates(layer)[0], opt.rotation_module(layer).raw.grad
+
+    base, _ = rates(0.5, shared=True)
+    torch.testing.assert_close(rates(1.0, shared=True)[0], base / 4)
+    shared_rate, shared_grad = rates(0.5, shared=True)
+    independent_rate, independent_grad = rates(0.5, shared=False)
+    assert shared_rate.shape == (1,) and independent_rate.shape == (2,)
+    torch.testing.assert_close(shared_grad[0], independent_grad.sum(0))
+    with pytest.raises(ValueError, match="backward pass"):
+        opt.rotation_rates(opt.orthogonal_overparameterize(_layer(), "gs"))
+
+
 @pytest.mark.parametrize("shared", [True, False])
 def test_pe_opt_blocks_rotate_channel_groups_of_each_kernel(shared):
     layer = opt.orthogonal_overparameterize(_layer(), "cayley", blocks=2, shared=shared)  # groups {0, 1}, {2, 3}

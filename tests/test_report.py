@@ -61,6 +61,8 @@ def test_describe_turns_flags_nested_dicts_and_lists_into_words():
     assert report.describe([0.123456, 2]) == "0.1235, 2"
     assert report.describe(None) == "–" and report.describe(1 / 3) == "0.3333"
     assert report.describe({"noise": 0.05, "a": 1}) == "a 1; noise level 0.05"
+    assert report.describe({"a": 1, "noise": 5.1, "margin": 1.0, "seeds": 3}) == \
+        "a 1; noise level 5.1, margin 1, 3 seeds"  # a claim of no difference shows its margin
 
 
 @pytest.mark.parametrize("verdict", list(verdicts.VERDICTS.values()))

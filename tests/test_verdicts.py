@@ -22,6 +22,14 @@ def test_one_seed_uses_the_floor_and_the_binomial_noise():
     assert evaluation_noise(0.795, 10_000, terms=4) == pytest.approx(math.sqrt(2) * binomial)  # a difference of gains
 
 
+def test_one_exact_side_counts_one_binomial_term():
+    """A measured frequency against a stated probability: only the measured side carries binomial noise."""
+    result = compare_over_seeds([0.70], [0.80], floor=0.0, n_eval=2_000, eval_terms=1)
+    assert result.noise == pytest.approx(2 * math.sqrt(0.75 * 0.25 / 2_000))
+    assert result.noise == pytest.approx(compare_over_seeds([0.70], [0.80], floor=0.0, n_eval=2_000).noise
+                                         / math.sqrt(2))
+
+
 def test_without_n_eval_only_the_floor_and_the_seeds_count():
     assert compare_over_seeds([3.0], [1.0], floor=1.5).noise == 1.5
     assert compare_over_seeds([3.0], [1.0], floor=2.5).holds is None
@@ -80,6 +88,7 @@ def test_is_a_frozen_record():
     (dict(a=[0.1], b=[0.1], floor=0.1, n_eval=True), "n_eval"),
     (dict(a=[1.5], b=[0.1], floor=0.1, n_eval=10), "accuracies"),
     (dict(a=[0.1], b=[0.1], floor=0.1, confidence=1.0), "confidence"),
+    (dict(a=[0.1], b=[0.1], floor=0.1, n_eval=10, eval_terms=3), "eval_terms"),
 ])
 def test_bad_arguments_raise_clear_errors(kwargs, message):
     a, b = kwargs.pop("a"), kwargs.pop("b")
@@ -155,6 +164,8 @@ def test_a_seed_table_states_its_rule_once():
     assert table.beats("MHE", "baseline") is True and table.beats("baseline", "MHE") is False
     assert table.beats("MHE", "stuck") == NOT_TESTABLE  # an arm at chance: the comparison says nothing
     assert table.error("baseline") == 29.5
+    assert table.error_numbers("MHE", "baseline") == table.compare("MHE", "baseline").numbers(
+        "MHE", "baseline", scale=100, digits=2) | {"MHE": 19.0, "baseline": 29.5}  # errors; difference in accuracy
     comparisons = [table.compare("MHE", "baseline"), table.compare("MHE", "stuck")]
     assert table.evidence(comparisons, scale=100, digits=2) == {
         "seeds": 2, "noise": round(100 * max(c.noise for c in comparisons), 2)}

@@ -52,6 +52,8 @@ def test_image_grid_places_every_image():
     assert grid.shape == (2 * 5 + 1, 3 * 5 + 1)
     assert np.allclose(grid[1:5, 6:10], 0.2)  # image 1: row 0, column 1
     assert np.allclose(grid[6:10, 6:10], 0.8)  # image 4: row 1, column 1
+    assert grid.mask[0].all() and grid.mask[:, 5].all() and grid.mask[6:10, 11:15].all()  # padding, empty slot
+    assert not grid.mask[1:5, 1:5].any()
     with pytest.raises(ValueError, match=r"Tensor\[N, 1, H, W\]"):
         viz.image_grid(ax, torch.zeros(2, 3, 4, 4), nrow=2)
     plt.close(fig)

@@ -429,16 +429,18 @@ def scs_net(widths: tuple[int, ...] = (32, 64, 128), in_channels: int = 3, image
 
 
 def opt_cnn(depth: int = 6, width: int = 64, in_channels: int = 3, image_size: int = 32,
-            norm_layer: LayerType = "batchnorm", act_layer: LayerType = "relu") -> ConvNet:
+            norm_layer: LayerType = "batchnorm", act_layer: LayerType = "relu", plain_fc6: bool = False) -> ConvNet:
     """CNN-6 / CNN-9 of the OPT chapter (thesis Table F.1): three stages of depth / 3 [3x3 conv(width) ->
     norm -> act] with a 2x2 max-pool after each, then "fc6": a valid conv of ``width`` filters as large as
-    the last map (4x4 at 32 px, fan-in 1024) -> norm -> act.  Features: ``width``; add a :class:`Classifier`.
+    the last map (4x4 at 32 px, fan-in 1024) -> norm -> act, or, with ``plain_fc6``, alone (as the authors'
+    code builds it).  Features: ``width``; add a :class:`Classifier`.
     """
     if depth not in (6, 9):
         raise ValueError(f"depth must be 6 or 9 (Table F.1), got {depth!r}")
     net = ConvNet(in_channels, None, (width,) * 3, depth // 3, image_size, norm_layer=norm_layer, act_layer=act_layer)
     side = image_size // 8
-    net.feature = nn.Sequential(nn.Unflatten(1, (width, side, side)), nn.Conv2d(width, width, side),
-                                get_layer(norm_layer, "identity")(width), get_layer(act_layer, "relu")(), nn.Flatten())
+    tail = [] if plain_fc6 else [get_layer(norm_layer, "identity")(width), get_layer(act_layer, "relu")()]
+    net.feature = nn.Sequential(nn.Unflatten(1, (width, side, side)), nn.Conv2d(width, width, side), *tail,
+                                nn.Flatten())
     net.feature_dim = width
     return net

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import json
 import os
 import platform
 import statistics
@@ -33,7 +34,7 @@ from . import _io
 from ._checks import integer
 
 __all__ = ["device_name", "environment", "synchronizer", "median_seconds", "Comparison", "compare", "PeakMemory",
-           "peak_memory", "forward_backward", "training_step", "save_result"]
+           "peak_memory", "forward_backward", "training_step", "save_result", "describe_saved"]
 
 
 def device_name(device: torch.device | str) -> str:
@@ -226,3 +227,27 @@ def training_step(net: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, optimi
 def save_result(result: dict, path: str | os.PathLike) -> Path:
     """Write a benchmark result as JSON, atomically."""
     return _io.write_json(result, path)
+
+
+def describe_saved(path: str | os.PathLike, baseline: str, goals: dict[str, float] | None = None,
+                   width: int = 22) -> str | None:
+    """A saved benchmark result (``benchmarks/results/*.json``, from :func:`save_result`) as text, for a chapter.
+
+    The first line names the device and date of the run; then one line per candidate with its median
+    milliseconds, its ratio to ``baseline`` and, where the result counted them, its aten operations per call;
+    then, for each goal (candidate -> largest allowed ratio), whether this run met it.  None when the file is
+    absent (a chapter run outside the repository, or a device never measured).
+    """
+    path = Path(path)
+    if not path.is_file():
+        return None
+    result = json.loads(path.read_text())
+    comparison, ops = Comparison.from_result(result, baseline), result.get("ops_per_call", {})
+    lines = [f"{result['device']}, {result['date'][:10]}:"]
+    lines += [f"{label:{width}s} {1e3 * s:9.2f} ms   {comparison.ratios[label]:5.2f} x {baseline}"
+              + (f"   {ops[label]:6,d} ops" if label in ops else "") for label, s in comparison.seconds.items()]
+    if goals:
+        lines.append("goals: " + ", ".join(f"{name} at most {limit:g} x "
+                                           + ("met" if comparison.ratios[name] <= limit else "missed")
+                                           for name, limit in goals.items()))
+    return "\n".join(lines)

@@ -88,12 +88,12 @@ def describe(value) -> str:
     parts = [f"{key} {('(' + describe(v) + ')') if isinstance(v, dict) else _plain(v)}"
              for key, v in value.items() if key not in _LEAD_KEYS]
     tail = []
+    weighed = [f"{name} {_plain(value[key])}" for key, name in (("noise", "noise level"), ("margin", "margin"))
+               if key in value]
     if "difference" in value:
-        weighed = [f"{name} {_plain(value[key])}" for key, name in
-                   (("noise", "noise level"), ("margin", "margin")) if key in value]
         tail.append(f"difference {value['difference']:+.4g}" + (f" ({', '.join(weighed)})" if weighed else ""))
-    elif "noise" in value:
-        tail.append(f"noise level {_plain(value['noise'])}")
+    else:
+        tail += weighed
     if "seeds" in value:
         seeds = value["seeds"]
         tail.append(f"{seeds} seed{'s' if seeds != 1 else ''}"

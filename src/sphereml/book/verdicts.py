@@ -155,8 +155,8 @@ def evaluation_noise(accuracy: float, n_eval: int, terms: int = 2) -> float:
     return 2 * math.sqrt(terms * accuracy * (1 - accuracy) / n_eval)
 
 
-def compare_over_seeds(a, b, *, floor: float, n_eval: int | None = None, confidence: float = 0.95
-                       ) -> SeedComparison:
+def compare_over_seeds(a, b, *, floor: float, n_eval: int | None = None, confidence: float = 0.95,
+                       eval_terms: int = 2) -> SeedComparison:
     """Compare variant ``a`` with variant ``b`` over paired seeds (Note [noise level of a paired comparison]).
 
     Args:
@@ -165,6 +165,8 @@ def compare_over_seeds(a, b, *, floor: float, n_eval: int | None = None, confide
         n_eval (int, optional): the evaluation-set size when the values are accuracies in [0, 1]; adds the
             binomial evaluation noise.  Leave None for other quantities.
         confidence (float): the level of the seed-spread interval (0.95 by default).
+        eval_terms (int): how many of the two sides were measured on the ``n_eval`` items: 2 (two accuracies),
+            or 1 when one side is exact (a stated probability or bound), which halves the binomial variance.
 
     Returns:
         :class:`SeedComparison`; its ``holds`` is the verdict for "``a`` is larger than ``b``".
@@ -189,7 +191,9 @@ def compare_over_seeds(a, b, *, floor: float, n_eval: int | None = None, confide
             raise ValueError(f"n_eval must be a positive int, got {n_eval!r}")
         if not all(0 <= v <= 1 for v in a + b):
             raise ValueError("with n_eval the values must be accuracies in [0, 1]")
-        noise = max(noise, evaluation_noise((mean_a + mean_b) / 2, size))
+        if eval_terms not in (1, 2):
+            raise ValueError(f"eval_terms must be 1 or 2, got {eval_terms!r}")
+        noise = max(noise, evaluation_noise((mean_a + mean_b) / 2, size, eval_terms))
     spread = None
     if k > 1:
         spread = math.sqrt(sum((d - difference) ** 2 for d in diffs) / (k - 1))
@@ -241,6 +245,11 @@ class SeedTable:
     def error(self, variant: str) -> float:
         """Mean error in percent (``100 (1 - mean accuracy)``), rounded to 0.01, as the sources print errors."""
         return round(100 * (1 - self.mean(variant)), 2)
+
+    def error_numbers(self, a: str, b: str) -> dict:
+        """A claim's ``ours`` for "``a`` is more accurate than ``b``", in the units the sources print: both errors
+        (%), the accuracy difference ``a - b``, its noise level and seed s.d. (points), and the seeds."""
+        return self.compare(a, b).numbers(a, b, scale=100, digits=2) | {b: self.error(b), a: self.error(a)}
 
     def compare(self, a: str, b: str, key: str | None = None, *, floor: float | None = None,
                 n_eval: int | None = None, confidence: float = 0.95) -> "SeedComparison":

@@ -131,19 +131,22 @@ def scatter_features(ax, features, labels, class_names=None, s: float = 3.0, alp
     return ax
 
 
-def image_grid(ax, images, nrow: int, pad: int = 1, vmin: float = 0.0, vmax: float = 1.0):
-    """Show images Tensor[N, 1, H, W] as one grey grid with ``nrow`` images per row."""
+def image_grid(ax, images, nrow: int, pad: int = 1, vmin: float = 0.0, vmax: float = 1.0, pad_color="black"):
+    """Show images Tensor[N, 1, H, W] as one grey grid with ``nrow`` images per row (``vmin`` white, ``vmax``
+    black), separated by ``pad`` pixels of ``pad_color`` — choose one that no value can take when black and
+    white both carry meaning (kernels scaled to their own range)."""
     x = _np(images)
     if x.ndim != 4 or x.shape[1] != 1:
         raise ValueError(f"images must be Tensor[N, 1, H, W], got shape {x.shape}")
     n, _, h, w = x.shape
     ncol = nrow
     nrows = int(np.ceil(n / ncol))
-    grid = np.full((nrows * (h + pad) + pad, ncol * (w + pad) + pad), vmax, dtype=np.float32)
+    grid = np.full((nrows * (h + pad) + pad, ncol * (w + pad) + pad), np.nan, dtype=np.float32)
     for i in range(n):
         r, c = divmod(i, ncol)
         grid[pad + r * (h + pad): pad + r * (h + pad) + h, pad + c * (w + pad): pad + c * (w + pad) + w] = x[i, 0]
-    ax.imshow(grid, cmap="gray_r", vmin=vmin, vmax=vmax)
+    ax.imshow(np.ma.masked_invalid(grid), cmap=plt.get_cmap("gray_r").with_extremes(bad=pad_color), vmin=vmin,
+              vmax=vmax)
     ax.set_xticks([])
     ax.set_yticks([])
     return ax

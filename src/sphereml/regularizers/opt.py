@@ -45,8 +45,9 @@ from . import Regularizer, select_layers
 
 __all__ = [
     "METHODS", "ORTHOGONAL_BY_CONSTRUCTION", "OrthogonalRotation", "orthogonal_overparameterize",
-    "overparameterize_model", "rotation_module", "opt_layers", "fixed_neurons", "merge", "resample", "Resampler",
-    "refine_neurons", "OrthogonalRelaxation", "OrthogonalSGD", "ogd_optimizer", "training_parts",
+    "overparameterize_model", "rotation_module", "opt_layers", "rotation_rates", "fixed_neurons", "merge",
+    "resample", "Resampler", "refine_neurons", "OrthogonalRelaxation", "OrthogonalSGD", "ogd_optimizer",
+    "training_parts",
 ]
 
 METHODS = ("gs", "mgs", "householder", "lowdin", "cayley", "matrix_exp", "ogd", "or", "upt")
@@ -218,6 +219,17 @@ def opt_layers(model: nn.Module) -> list[nn.Module]:
     """The OPT layers of ``model``, in module order."""
     return [m for m in model.modules() if parametrize.is_parametrized(m, "weight")
             and any(isinstance(p, OrthogonalRotation) for p in m.parametrizations.weight)]
+
+
+def rotation_rates(model: nn.Module) -> list[Tensor]:
+    """Per OPT layer of ``model`` (after a backward pass), each raw block's relative gradient ||dL/dU|| / ||U||
+    (Frobenius), Tensor[blocks]: the relative size of an SGD step, so how fast each rotation turns for a
+    scale-free map (``gs``, ``householder``, ``lowdin``; :class:`OrthogonalRotation`).  A shared PE-OPT block
+    sums its k copies' gradients, so it turns faster than an independent one from the same start."""
+    raws = [rotation_module(m).raw for m in opt_layers(model)]
+    if any(raw.grad is None for raw in raws):
+        raise ValueError("rotation_rates needs the gradients of a backward pass through every OPT layer")
+    return [raw.grad.flatten(1).norm(dim=1) / raw.detach().flatten(1).norm(dim=1) for raw in raws]
 
 
 def fixed_neurons(module: nn.Module) -> Tensor:
