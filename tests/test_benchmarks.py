@@ -166,3 +166,17 @@ def test_a_saved_result_reads_as_device_times_ratios_ops_and_goals(tmp_path):
     assert lines[-1] == "goals: MHE at most 1.1 x missed"
     assert describe_saved(path, "none", {"MHE": 1.3}).endswith("MHE at most 1.3 x met")
     assert describe_saved(tmp_path / "absent.json", "none") is None
+
+
+def test_describe_saved_runs_walks_the_devices_present(tmp_path):
+    from sphereml.timing import describe_saved_runs, save_result
+
+    for device, name in (("cuda", "NVIDIA H200"), ("cpu", "x86_64 CPU")):
+        save_result({"device": name, "date": "2026-11-27", "seconds": {"none": 0.004, "MHE": 0.005}},
+                    tmp_path / f"step-{device}.json")
+    texts = describe_saved_runs(tmp_path, "step", "none", {"MHE": 1.3})
+    assert [text.splitlines()[0] for text in texts] == ["x86_64 CPU, 2026-11-27:", "NVIDIA H200, 2026-11-27:"]
+    assert all(text.endswith("MHE at most 1.3 x met") for text in texts)
+    assert [t.splitlines()[0] for t in describe_saved_runs(tmp_path, "step", "none", devices=("cuda", "mps"))] \
+        == ["NVIDIA H200, 2026-11-27:"]
+    assert describe_saved_runs(tmp_path, "other", "none") == []

@@ -24,6 +24,7 @@ import yaml
 
 from sphereml import book
 from sphereml.book import recipes
+from sphereml.book.chapter import PAGE_WIDTH
 from sphereml.book.viz import LEGIBLE_PX, PHONE_COLUMN_PX
 
 REPO = Path(__file__).resolve().parents[1]
@@ -159,6 +160,10 @@ def test_chapter_runs_in_smoke_profile(name, smoke_run):
     notebook = nbformat.read(run.executed, as_version=4)
     errors = [o for c in notebook.cells if c.cell_type == "code" for o in c.outputs if o.output_type == "error"]
     assert not errors
+    printed = [o.text for c in notebook.cells if c.cell_type == "code" for o in c.outputs
+               if o.output_type == "stream" and o.name == "stdout"]
+    wide = [line for text in printed for line in text.splitlines() if len(line) > PAGE_WIDTH]
+    assert not wide, f"printed lines wider than the book's column ({PAGE_WIDTH} characters; ch.say wraps): {wide}"
     book.cache_executed_notebook(REPO / "notebooks" / f"{name}.ipynb", run.executed, SMOKE_CACHE)
     print(f"{name}: smoke run {run.seconds:.1f} s")
 
@@ -192,7 +197,7 @@ def test_chapter_gpu_paths_run_tiny(name, offline_smoke, monkeypatch, tmp_path):
 # Trainings of a tiny gpu run (two seeds) whose seeds train together: a callback or a setting that sent a comparison
 # back to one network at a time would change these counts.
 TOGETHER_TINY = {"01_hypersphere": 4, "02_large_margin": 20, "03_spherenet": 36, "04_decoupled": 78,
-                 "05_sharpened_cosine": 28, "06_mhe": 26, "07_comhe": 36, "08_convsim": 10,
+                 "05_sharpened_cosine": 28, "06_mhe": 26, "07_comhe": 40, "08_convsim": 10,
                  "09_opt": 64}
 
 

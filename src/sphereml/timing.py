@@ -251,3 +251,11 @@ def describe_saved(path: str | os.PathLike, baseline: str, goals: dict[str, floa
                                            + ("met" if comparison.ratios[name] <= limit else "missed")
                                            for name, limit in goals.items()))
     return "\n".join(lines)
+
+
+def describe_saved_runs(directory: str | os.PathLike, stem: str, baseline: str,
+                        goals: dict[str, float] | None = None, width: int = 22,
+                        devices: tuple[str, ...] = ("cpu", "cuda")) -> list[str]:
+    """:func:`describe_saved` for each device's file ``{stem}-{device}.json`` in ``directory``, absent ones left out."""
+    texts = (describe_saved(Path(directory) / f"{stem}-{device}.json", baseline, goals, width) for device in devices)
+    return [text for text in texts if text is not None]
