@@ -171,9 +171,10 @@ def test_every_claim_says_what_it_is_about(path):
             f"{path.stem}: the claim at code line {call.lineno} has no kind from {CLAIM_KINDS}"
 
 
-# what a GPU box has (numpy, matplotlib, torch, the standard library) besides sphereml: no IPython, papermill or
-# jupytext there, and the chapters run there as plain scripts (benchmarks/gpu_check.sh chapters)
-SCRIPT_IMPORTS = {"sphereml", "torch", "numpy", "matplotlib"}
+# what a GPU box has (numpy, scipy, matplotlib, torch, the standard library) besides sphereml: no IPython, papermill
+# or jupytext there, and the chapters run there as plain scripts (benchmarks/gpu_check.sh chapters); scipy is also
+# sphereml's own dependency (sphereml.book.verdicts)
+SCRIPT_IMPORTS = {"sphereml", "torch", "numpy", "scipy", "matplotlib"}
 
 
 @pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.stem)

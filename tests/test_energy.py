@@ -10,9 +10,10 @@ import pytest
 import torch
 
 from sphereml import energy
-from sphereml.energy import energy_metric, hyperspherical_energy, layer_energy, minibatch_energy, output_energy
+from sphereml.energy import (energy_metric, hyperspherical_energy, layer_energy, minibatch_energy,
+                             minimal_energy_points, output_energy)
 from sphereml.energy.tiled import tiled_energy
-from sphereml.geometry import normalize
+from sphereml.geometry import min_pair_angle, normalize
 
 F64 = torch.float64
 E = hyperspherical_energy
@@ -113,32 +114,40 @@ THOMSON = {2: 0.5, 3: 1.732050808, 4: 3.674234614, 5: 6.474691495, 6: 9.98528137
            8: 19.675287861, 9: 25.759986531, 10: 32.716949460, 11: 40.596450510, 12: 49.165253058}
 
 
-def _minimise(n, restarts, seed=0):
-    """Projected-gradient warm start (Adam on unnormalised w), then L-BFGS; the best of a few restarts."""
-    best = math.inf
-    for r in range(restarts):
-        w = torch.randn(n, 3, generator=torch.Generator().manual_seed(seed + 100 * r), dtype=F64).requires_grad_(True)
-        adam = torch.optim.Adam([w], lr=0.05)
-        for _ in range(150):
-            adam.zero_grad()
-            E(w, s=1.0, backend="dense").backward()
-            adam.step()
-        lbfgs = torch.optim.LBFGS([w], max_iter=500, tolerance_grad=1e-14, tolerance_change=1e-16,
-                                  line_search_fn="strong_wolfe")
-
-        def closure():
-            lbfgs.zero_grad()
-            value = E(w, s=1.0, backend="dense")
-            value.backward()
-            return value
-        lbfgs.step(closure)
-        best = min(best, float(E(w.detach(), s=1.0)) * n * (n - 1) / 2)  # unordered-pair convention
-    return best
-
-
 @pytest.mark.parametrize("n", sorted(THOMSON))
 def test_thomson_minima_on_the_sphere(n):
-    assert _minimise(n, restarts=3) == pytest.approx(THOMSON[n], rel=1e-7)
+    energy, points = minimal_energy_points(n, s=1.0, restarts=3, generator=torch.Generator().manual_seed(n))
+    assert energy * n * (n - 1) / 2 == pytest.approx(THOMSON[n], rel=1e-7)  # unordered-pair convention
+    torch.testing.assert_close(points.norm(dim=1), torch.ones(n, dtype=F64))
+    assert float(E(points, s=1.0)) == pytest.approx(energy, rel=1e-12)  # the points reach the energy returned
+
+
+def test_minimal_energy_points_finds_the_known_optima_of_other_settings():
+    # two neurons in the plane: half-space MHE makes them orthogonal (thesis Fig. 5.2); six points on S^2 under a
+    # large s: the octahedron, 90 degrees apart (also the Tammes optimum); N <= dim: the regular simplex
+    _, pair = minimal_energy_points(2, dim=2, s=2.0, half_space=True, generator=torch.Generator().manual_seed(0))
+    assert abs(float(pair[0] @ pair[1])) < 1e-6
+    _, octahedron = minimal_energy_points(6, s=12.0, restarts=2, generator=torch.Generator().manual_seed(0))
+    assert min_pair_angle(octahedron) == pytest.approx(math.pi / 2, abs=1e-6)
+    energy, _ = minimal_energy_points(4, dim=5, s=2.0, restarts=1, generator=torch.Generator().manual_seed(0))
+    assert energy == pytest.approx((2 + 2 / 3) ** -1, rel=1e-9)  # Exercise 1 of chapter 6
+
+
+def test_minimal_energy_points_is_reproducible_and_follows_dtype():
+    runs = [minimal_energy_points(5, restarts=2, warm_steps=20, max_iter=50,
+                                  generator=torch.Generator().manual_seed(3)) for _ in range(2)]
+    assert runs[0][0] == runs[1][0]
+    torch.testing.assert_close(runs[0][1], runs[1][1], rtol=0, atol=0)
+    _, points = minimal_energy_points(4, restarts=1, max_iter=5, dtype=torch.float32)
+    assert points.dtype == torch.float32
+
+
+@pytest.mark.parametrize("kwargs", [dict(n=1), dict(n=2.0), dict(n=4, dim=1), dict(n=4, s=-1.0),
+                                    dict(n=4, metric="cosine"), dict(n=4, restarts=0), dict(n=4, warm_steps=-1),
+                                    dict(n=4, max_iter=0), dict(n=4, dtype=torch.int64)], ids=str)
+def test_minimal_energy_points_names_each_bad_argument(kwargs):
+    with pytest.raises(ValueError, match=next(k for k in kwargs if k != "n") if len(kwargs) > 1 else "n"):
+        minimal_energy_points(**kwargs)
 
 
 # ---------------------------------------------------------------- backends

@@ -42,12 +42,13 @@ from .batched import REDUCTIONS, LayerEnergies, PointSets, pair_weights
 from .gram import gram_energies
 from .dense import dense_energy
 from .kernels import METRICS, pair_values
+from .minimise import minimal_energy_points
 from .sharded import sharded_energy
 from .tiled import tiled_energy
 from .triton_backend import TRITON_DTYPES, matmul_precision, triton_energy, triton_importable, usable_on
 
 __all__ = ["hyperspherical_energy", "minibatch_energy", "sharded_energy", "energy_metric", "layer_energy",
-           "output_energy", "BACKENDS", "BATCHED_MAX", "METRICS", "REDUCTIONS"]
+           "output_energy", "minimal_energy_points", "BACKENDS", "BATCHED_MAX", "METRICS", "REDUCTIONS"]
 
 BACKENDS = ("auto", "dense", "tiled", "triton", "batched")
 # Layers of at most this many neurons go to the batched, sync-free evaluation (Note [batched energy]) in the
