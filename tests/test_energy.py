@@ -142,6 +142,13 @@ def test_minimal_energy_points_is_reproducible_and_follows_dtype():
     assert points.dtype == torch.float32
 
 
+def test_minimal_energy_points_says_when_the_energy_overflows():
+    # float32 cannot hold r^-400 for r < 1: the energy and then the points stop being finite, and the search says so
+    with pytest.raises(ValueError, match="finite"):
+        minimal_energy_points(12, s=400.0, restarts=1, warm_steps=1, max_iter=1, dtype=torch.float32,
+                              generator=torch.Generator().manual_seed(0))
+
+
 @pytest.mark.parametrize("kwargs", [dict(n=1), dict(n=2.0), dict(n=4, dim=1), dict(n=4, s=-1.0),
                                     dict(n=4, metric="cosine"), dict(n=4, restarts=0), dict(n=4, warm_steps=-1),
                                     dict(n=4, max_iter=0), dict(n=4, dtype=torch.int64)], ids=str)

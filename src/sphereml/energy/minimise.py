@@ -35,13 +35,17 @@ def minimal_energy_points(n: int, dim: int = 3, s: float = 1.0, *, metric: str =
         metric, half_space: as for :func:`~sphereml.energy.hyperspherical_energy`.
         restarts (int): random starts, at least 1.
         warm_steps (int): Adam steps (lr 0.05) before L-BFGS, at least 0.
-        max_iter (int): L-BFGS iterations per start, at least 1.
+        max_iter (int): L-BFGS iterations per start, at least 1 (PyTorch's L-BFGS also stops after 1.25 times as
+            many energy evaluations).
         generator (torch.Generator, optional): draws the starts.
-        dtype: a floating dtype; float64 (default) resolves the energy to about 1e-12.
+        dtype: a floating dtype, float64 by default (the tabulated minima above are checked in float64).
 
     Returns:
-        (energy, points): the pair-mean energy (a float, as ``hyperspherical_energy`` returns it) and the ``(n, dim)``
-        unit rows that reach it.
+        (energy, points): the pair-mean energy as a Python float (times ``n (n - 1) / 2`` for a tabulated Thomson
+        energy, which counts unordered pairs) and the ``(n, dim)`` unit rows that reach it.
+
+    Raises:
+        ValueError: for a bad argument, or when no start ends at a finite energy.
     """
     integer("n", n, at_least=2)
     integer("dim", dim, at_least=2)
@@ -64,6 +68,8 @@ def minimal_energy_points(n: int, dim: int = 3, s: float = 1.0, *, metric: str =
         value = float(energy().detach())
         if value < best[0]:
             best = (value, normalize(w.detach()))
+    if best[1] is None:
+        raise ValueError(f"no start of {restarts} ended at a finite energy (n={n}, dim={dim}, s={s})")
     return best
 
 
