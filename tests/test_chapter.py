@@ -150,6 +150,16 @@ def test_evaluate_recalibrates_running_statistics_once_after_each_fit(tmp_path, 
     assert calls == [1, 1]  # nothing to recalibrate
 
 
+def test_seeded_builds_each_network_just_after_its_seed():
+    make = lambda: torch.nn.Linear(4, 3)  # noqa: E731
+    built = chapter.Chapter.seeded(make, [7, 8, 7])
+    torch.manual_seed(8)
+    twin = make()
+    assert torch.equal(built[1].weight, twin.weight)
+    assert torch.equal(built[0].weight, built[2].weight) and not torch.equal(built[0].weight, built[1].weight)
+    assert chapter.Chapter.seeded(make, []) == []
+
+
 def test_fit_seeds_trains_like_fit_and_recalibrates_each_model(tmp_path, monkeypatch):
     from sphereml.data import sphere_clusters
 

@@ -268,6 +268,16 @@ class Chapter:
         self.write()
         return history
 
+    @staticmethod
+    def seeded(make, seeds) -> list:
+        """One network per seed, each ``make()`` called just after ``torch.manual_seed(seed)``: the initial weights
+        that :meth:`fit_seeds` pairs with ``seeds``."""
+        models = []
+        for seed in seeds:
+            torch.manual_seed(seed)
+            models.append(make())
+        return models
+
     def fit_seeds(self, models, train_data, seeds, recipe: str | None = None, callbacks=None, make_regularizer=None,
                   regularizers=None, optimizers=None, **kwargs):
         """``models[i]`` trained as ``fit(models[i], seed=seeds[i])`` would be: with :meth:`fit`, one after
