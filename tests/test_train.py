@@ -78,6 +78,9 @@ def test_regularizer_and_callbacks_are_applied(toy):
     hist = fit(model, train, epochs=3, lr=1e-2, regularizer=strong,
                callbacks=[lambda s: seen.append(s.step), tracker, later], device="cpu", progress=False)
     assert later.steps == later.values == list(range(5, len(seen) + 1, 5))
+    started = Tracker(lambda state: state.step, 5, False, start=-1.0)  # a value from before training: step 0
+    fit(make(dropout=False), train, epochs=1, lr=1e-2, callbacks=[started], device="cpu", progress=False)
+    assert started.points[0] == (0, -1.0) and started.steps[1:] == list(range(5, num_steps(train, 1, 128) + 1, 5))
     assert seen == list(range(1, len(hist.steps) + 1)) and len(seen) == num_steps(train, 3, 128)
     assert tracker.steps == [1] + list(range(4, len(seen) + 1, 4))
     assert tracker.values == [hist.steps[i - 1] for i in tracker.steps]

@@ -190,6 +190,44 @@ def _grid_table():
     return table
 
 
+def test_compare_changes_pairs_each_seeds_drop_and_counts_four_binomial_terms():
+    table = SeedTable(floor=0.005, n_eval=1000, chance=0.1)
+    for seed, (clean_a, end_a, clean_b, end_b) in enumerate([(0.90, 0.60, 0.80, 0.30), (0.88, 0.60, 0.82, 0.30),
+                                                                (0.89, 0.60, 0.81, 0.30)]):
+        table.add("SCS", seed, clean=clean_a, attacked=end_a)
+        table.add("Conv", seed, clean=clean_b, attacked=end_b)
+    result = table.compare_changes("SCS", "Conv", "clean", "attacked", n_eval=1000)
+    assert result.mean_a == pytest.approx(-0.29) and result.mean_b == pytest.approx(-0.51)
+    assert result.difference == pytest.approx(0.22)  # SCS loses 22 points less
+    expected = compare_over_seeds([-0.30, -0.28, -0.29], [-0.50, -0.52, -0.51], floor=evaluation_noise(0.65, 1000, 4))
+    assert result.noise == pytest.approx(expected.noise) == pytest.approx(evaluation_noise(0.65, 1000, 4))
+    assert result.seeds == 3
+    assert result.holds is True and table.compare_changes("Conv", "SCS", "clean", "attacked").holds is False
+    assert table.compare_changes("SCS", "Conv", "clean", "attacked").noise < result.noise  # no binomial term
+    table.add("odd", 0, clean=2.0, attacked=1.0)
+    with pytest.raises(ValueError, match="accuracies"):
+        table.compare_changes("odd", "Conv", "clean", "attacked", n_eval=1000)
+    with pytest.raises(ValueError, match="needs a floor"):
+        SeedTable().compare_changes("SCS", "Conv", "clean", "attacked")
+
+
+def test_group_evidence_gives_each_comparison_its_own_noise():
+    table = SeedTable(floor=0.005)
+    for seed, (cnn, tanh, seg) in enumerate([(0.70, 0.80, 0.60), (0.70, 0.90, 0.61)]):
+        table.add("no BN CNN", seed, accuracy=cnn), table.add("no BN TanhConv", seed, accuracy=tanh)
+        table.add("no BN SegConv", seed, accuracy=seg)
+    group = table.beats_each(["no BN TanhConv", "no BN SegConv"], "no BN CNN")
+    noises = [round(c.noise, 4) for c in group.comparisons]
+    assert noises[0] > 10 * noises[1]  # the TanhConv pair's seeds disagree, the SegConv pair's hardly
+    assert group.evidence() == {"seeds": 2, "noise": {"TanhConv": noises[0], "SegConv": noises[1]}}
+    assert group.numbers()["noise"] == {"TanhConv": noises[0], "SegConv": noises[1]}
+    assert SeedTable.evidence(group.comparisons) == {"seeds": 2, "noise": noises[0]}  # unlabelled: the largest
+    same = table.beats_each(["no BN TanhConv"], "no BN CNN")
+    assert same.evidence() == {"seeds": 2, "noise": noises[0]}  # one comparison: one number
+    with pytest.raises(ValueError, match="one label per comparison"):
+        SeedTable.evidence(group.comparisons, labels=["a"])
+
+
 def test_beats_each_joins_one_verdict_per_pair_and_names_the_arms_by_what_differs():
     table = _grid_table()
     ops = ["no BN TanhConv cosine", "no BN SegConv cosine"]

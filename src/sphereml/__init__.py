@@ -29,6 +29,7 @@ module:
   :mod:`~sphereml.regularizers.orthogonalizers` (Gram-Schmidt, Householder, Löwdin, Cayley, exp; the Cayley
   SGD step) and :mod:`~sphereml.regularizers.opt` (orthogonal over-parameterised layers, refinement, OGD).
 * :mod:`~sphereml.models` — the book's networks, built from operator factories; ``Classifier``.
+* :mod:`~sphereml.initialisation` — He initialisation, the thesis's starting point (``he_init_``).
 * :mod:`~sphereml.data` — Fashion-MNIST, digits, CIFAR-10/100, synthetic sphere data.
 * :mod:`~sphereml.train` — ``fit`` / ``evaluate``: seeding, devices, history, checkpoints, callbacks.
 * :mod:`~sphereml.multiseed` — ``fit_seeds``: several seeds of one network trained in one batched step.
@@ -46,8 +47,8 @@ module:
 
 import importlib
 
-from . import (angular, attacks, data, distributed, energy, geometry, heads, launches, layers, metrics, models,
-               recalibration, regularizers, timing, train)
+from . import (angular, attacks, data, distributed, energy, geometry, heads, initialisation, launches, layers,
+               metrics, models, recalibration, regularizers, timing, train)
 from .geometry import angle_matrix, cosine_matrix, normalize, safe_angle, sample_sphere
 from .train import evaluate, fit, resolve_device, seed_everything
 
@@ -56,8 +57,8 @@ __version__ = "0.1.0"
 BOOK_MODULES = ("book",)  # loaded on first use
 
 __all__ = [
-    "angular", "attacks", "data", "distributed", "energy", "geometry", "heads", "launches", "layers", "metrics",
-    "models", "recalibration", "regularizers", "timing", "train",
+    "angular", "attacks", "data", "distributed", "energy", "geometry", "heads", "initialisation", "launches",
+    "layers", "metrics", "models", "recalibration", "regularizers", "timing", "train",
     "normalize", "cosine_matrix", "safe_angle", "angle_matrix", "sample_sphere",
     "fit", "evaluate", "resolve_device", "seed_everything", "__version__",
 ]

@@ -107,12 +107,16 @@ class StepState:
 
 class Tracker:
     """A callback that records ``(step, fn(state))`` every ``every`` steps (and at step 1 unless told not to):
-    after ``fit(..., callbacks=[tracker])`` ``tracker.steps`` and ``tracker.values`` hold the curve."""
+    after ``fit(..., callbacks=[tracker])`` ``tracker.steps`` and ``tracker.values`` hold the curve.
 
-    def __init__(self, fn: Callable[[StepState], float], every: int, include_first: bool = True):
+    ``start``: a value measured before training, recorded as step 0 (``fn`` needs a step's state, so the
+    caller measures it), so that a curve, or a growth "at the end over the start", begins before the first
+    optimiser step has moved anything."""
+
+    def __init__(self, fn: Callable[[StepState], float], every: int, include_first: bool = True, start=None):
         self.fn, self.every = fn, integer("every", every, at_least=1)
         self.include_first = bool(include_first)
-        self.points: list[tuple[int, float]] = []
+        self.points: list[tuple[int, float]] = [] if start is None else [(0, start)]
 
     def due(self, step: int) -> bool:
         """Whether the tracker records at optimiser step ``step`` (counted from 1)."""

@@ -88,8 +88,8 @@ def describe(value) -> str:
     parts = [f"{key} {('(' + describe(v) + ')') if isinstance(v, dict) else _plain(v)}"
              for key, v in value.items() if key not in _LEAD_KEYS]
     tail = []
-    weighed = [f"{name} {_plain(value[key])}" for key, name in (("noise", "noise level"), ("margin", "margin"))
-               if key in value]
+    weighed = [f"{name} ({describe(value[key])})" if isinstance(value[key], dict) else f"{name} {_plain(value[key])}"
+               for key, name in (("noise", "noise level"), ("margin", "margin")) if key in value]
     if "difference" in value:
         tail.append(f"difference {value['difference']:+.4g}" + (f" ({', '.join(weighed)})" if weighed else ""))
     else:

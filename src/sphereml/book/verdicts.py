@@ -14,14 +14,13 @@ vocabulary of the whole book, defined once in the preface and on the claims ledg
 
 :class:`SeedTable` collects results by variant and seed; :func:`compare_over_seeds` (or
 :meth:`SeedTable.compare`) pairs two variants seed by seed and compares the mean paired difference with a
-noise level; :meth:`SeedComparison.holds`, :meth:`SeedComparison.equivalent` and :meth:`SeedComparison.at_most` are
-the verdicts of "a is larger than b", "a and b do not differ" and "a is not larger than b by more than a
-margin"; :func:`trains`, :func:`given` and :func:`every` handle
-untrained arms, conditional claims and claims made for several cases; :func:`within` decides exact claims
-(closed forms, identities) at a stated tolerance; :func:`bootstrap_noise` gives the floor of a measure that
-has no binomial formula.  A verdict is ``True`` (holds),
-``False`` (does not hold), ``None`` (not distinguishable) or :data:`NOT_TESTABLE`, the values
-:meth:`Chapter.claim <sphereml.book.chapter.Chapter.claim>` takes.
+noise level; :meth:`SeedComparison.holds`, :meth:`SeedComparison.equivalent` and :meth:`SeedComparison.at_most`
+are the verdicts of "a is larger than b", "a and b do not differ" and "a is not larger than b by more than a
+margin"; :func:`trains`, :func:`given` and :func:`every` handle untrained arms, conditional claims and claims
+made for several cases; :func:`within` decides exact claims at a stated tolerance; :func:`bootstrap_noise`
+gives the floor of a measure with no binomial formula.  A verdict is ``True`` (holds), ``False`` (does not
+hold), ``None`` (not distinguishable) or :data:`NOT_TESTABLE`, the values :meth:`Chapter.claim
+<sphereml.book.chapter.Chapter.claim>` takes.
 
 Note [noise level of a paired comparison]
 -----------------------------------------
@@ -59,8 +58,7 @@ from scipy import stats
 from .._checks import integer
 
 __all__ = ["VERDICTS", "NOT_TESTABLE", "verdict_name", "SeedComparison", "evaluation_noise", "compare_over_seeds",
-           "SeedTable",
-           "GroupComparison", "trains", "given", "every", "within", "bootstrap_noise"]
+           "SeedTable", "GroupComparison", "trains", "given", "every", "within", "bootstrap_noise"]
 
 NOT_TESTABLE = "not testable"  # the fourth verdict (True, False and None are the other three)
 VERDICTS = {True: "holds", False: "does not hold", None: "not distinguishable", NOT_TESTABLE: NOT_TESTABLE}
@@ -207,13 +205,11 @@ class SeedTable:
 
     ``table.add("MHE", seed, accuracy=0.81, energy=3.2)`` records a run; ``table.values("MHE", "accuracy")``
     lists a key over the variant's seeds (in seed order), :meth:`mean` averages it, and :meth:`compare`
-    pairs two variants on their common seeds (:func:`compare_over_seeds`).
-
-    A chapter states its rule once, when it makes the table: ``SeedTable(floor=0.005, n_eval=len(test),
-    chance=0.1)``.  Then ``table.compare(a, b)`` compares accuracies with that floor and evaluation noise,
-    :meth:`trains` says whether variants cleared chance, :meth:`beats` is the verdict of "a is more accurate
-    than b" (not testable when either arm stays at chance) and :meth:`evidence` is what a claim rests on.
-    """
+    pairs two variants on their common seeds (:func:`compare_over_seeds`).  A chapter states its rule once,
+    when it makes the table: ``SeedTable(floor=0.005, n_eval=len(test), chance=0.1)``.  Then
+    ``table.compare(a, b)`` compares accuracies with that floor and evaluation noise, :meth:`trains` says whether
+    variants cleared chance, :meth:`beats` is the verdict of "a is more accurate than b" (not testable when
+    either arm stays at chance) and :meth:`evidence` is what a claim rests on."""
 
     def __init__(self, *, floor: float | None = None, n_eval: int | None = None, chance: float | None = None,
                  key: str = "accuracy"):
@@ -258,16 +254,36 @@ class SeedTable:
         The floor defaults to the table's; so does the evaluation size, but only for the table's own key (an
         accuracy): the binomial term does not apply to other measures, which pass ``n_eval`` when they are
         accuracies too."""
-        floor = self.floor if floor is None else floor
-        if floor is None:
-            raise ValueError("compare needs a floor: give one here or when making the SeedTable")
+        floor, seeds = self._paired(a, b, floor, "compare")
         if n_eval is None and key in (None, self.key):
             n_eval = self.n_eval
+        return compare_over_seeds(self.values(a, key, seeds), self.values(b, key, seeds), floor=floor,
+                                  n_eval=n_eval, confidence=confidence)
+
+    def compare_changes(self, a: str, b: str, start: str, end: str, *, floor: float | None = None,
+                        n_eval: int | None = None, confidence: float = 0.95) -> SeedComparison:
+        """``a``'s change from key ``start`` to key ``end`` (``end - start``, per seed) against ``b``'s, paired
+        on the seeds both have: ``holds`` reads "``a`` changes more than ``b``" (loses less, when both fall).
+        With ``n_eval`` (accuracies on ``n_eval`` items) the noise counts four binomial terms, two per side."""
+        floor, seeds = self._paired(a, b, floor, "compare_changes")
+        changes = {v: [e - s for s, e in zip(self.values(v, start, seeds), self.values(v, end, seeds))] for v in (a, b)}
+        if n_eval is not None:
+            accuracies = [x for v in (a, b) for key in (start, end) for x in self.values(v, key, seeds)]
+            if not all(0 <= x <= 1 for x in accuracies):
+                raise ValueError("with n_eval the values must be accuracies in [0, 1]")
+            size = integer("n_eval", n_eval, at_least=1)
+            floor = max(floor, evaluation_noise(sum(accuracies) / len(accuracies), size, terms=4))
+        return compare_over_seeds(changes[a], changes[b], floor=floor, confidence=confidence)
+
+    def _paired(self, a: str, b: str, floor: float | None, caller: str) -> tuple[float, list[int]]:
+        """The floor (the table's unless given) and the seeds ``a`` and ``b`` share."""
+        floor = self.floor if floor is None else floor
+        if floor is None:
+            raise ValueError(f"{caller} needs a floor: give one here or when making the SeedTable")
         seeds = sorted(set(self.seeds(a)) & set(self.seeds(b)))
         if not seeds:
             raise ValueError(f"{a!r} and {b!r} share no seed")
-        return compare_over_seeds(self.values(a, key, seeds), self.values(b, key, seeds), floor=floor,
-                                  n_eval=n_eval, confidence=confidence)
+        return floor, seeds
 
     def trains(self, *variants: str) -> bool:
         """Whether every variant named learned anything (:func:`trains` on the table's key, chance and
@@ -302,21 +318,22 @@ class SeedTable:
         if not pairs:
             raise ValueError("beats_each needs at least one variant")
         comparisons = [self.compare(a, b, key, floor=floor, n_eval=n_eval) for a, b in pairs]
-        if self.chance is None:
-            verdicts = [c.holds for c in comparisons]
-        else:
-            verdicts = [given(self.trains(a), self.trains(b), verdict=c.holds) for (a, b), c in zip(pairs, comparisons)]
+        verdicts = [c.holds if self.chance is None else given(self.trains(a), self.trains(b), verdict=c.holds)
+                    for (a, b), c in zip(pairs, comparisons)]
         return GroupComparison(self, key, pairs, comparisons, verdicts)
 
     @staticmethod
-    def evidence(comparisons, scale: float = 1.0, digits: int = 4) -> dict:
-        """What a claim over several comparisons rests on: the seeds and the largest noise level (times
-        ``scale``: 100 for points)."""
+    def evidence(comparisons, scale: float = 1.0, digits: int = 4, labels=None) -> dict:
+        """What a claim over several comparisons rests on: the seeds and the noise level (times ``scale``: 100
+        for points), one number when the comparisons share it or no ``labels`` name them (then the largest),
+        else ``{label: noise}``, since each comparison is decided against its own."""
         comparisons = list(comparisons)
-        if not comparisons:
-            raise ValueError("evidence needs at least one comparison")
-        return {"seeds": max(c.seeds for c in comparisons),
-                "noise": round(scale * max(c.noise for c in comparisons), digits)}
+        if not comparisons or (labels is not None and len(labels) != len(comparisons)):
+            raise ValueError(f"evidence needs at least one comparison and one label per comparison, got "
+                             f"{len(comparisons)} comparisons and labels {labels!r}")
+        noises = [round(scale * c.noise, digits) for c in comparisons]
+        noise = max(noises) if labels is None or len(set(noises)) == 1 else dict(zip(labels, noises))
+        return {"seeds": max(c.seeds for c in comparisons), "noise": noise}
 
     def to_dict(self) -> dict:
         """``{variant: {seed: values}}`` (seeds as strings), for a chapter's metrics."""
@@ -340,28 +357,37 @@ class GroupComparison:
         return every(self.verdicts)
 
     def numbers(self, names: dict[str, str] | None = None, scale: float = 1.0, digits: int = 4) -> dict:
-        """Each variant's mean on the key (references first), then :meth:`SeedTable.evidence` (seeds, noise).
+        """Each variant's mean on the key (references first), then :meth:`evidence` (seeds, noise).  A variant
+        is shown under ``names[variant]`` if given, else, when two or more are not named, without the words all
+        of those share at their start and end ("no BN TanhConv cosine" against "no BN CNN cosine" reads
+        "TanhConv" and "CNN")."""
+        names = self._names(names)
+        means = {names[v]: round(scale * self.table.mean(v, self.key), digits) for v in names}
+        return means | self.evidence(names, scale, digits)
 
-        A variant is shown under ``names[variant]`` if given, else, when two or more are not named, without the
-        words all of those share at their start and end ("no BN TanhConv cosine" against "no BN CNN cosine"
-        reads "TanhConv" and "CNN").
-        """
+    def evidence(self, names: dict[str, str] | None = None, scale: float = 1.0, digits: int = 4) -> dict:
+        """:meth:`SeedTable.evidence` of the pairs, a noise level per pair where they differ, each pair named
+        by its first variant (against one baseline) or as "a vs b"; ``names`` as in :meth:`numbers`."""
+        names = self._names(names)
+        one_baseline = len({b for _, b in self.pairs}) == 1
+        labels = [names[a] if one_baseline else f"{names[a]} vs {names[b]}" for a, b in self.pairs]
+        return self.table.evidence(self.comparisons, scale, digits, labels)
+
+    def _names(self, names: dict[str, str] | None) -> dict[str, str]:
+        """Every variant of the pairs (references first) -> the name it is shown under."""
         names = dict(names or {})
         variants = list(dict.fromkeys([b for _, b in self.pairs] + [a for a, _ in self.pairs]))
         unnamed = [v for v in variants if v not in names]
         names |= _distinct_words(unnamed) if len(unnamed) > 1 else {v: v for v in unnamed}
-        means = {names[v]: round(scale * self.table.mean(v, self.key), digits) for v in variants}
-        return means | self.table.evidence(self.comparisons, scale, digits)
+        return {v: names[v] for v in variants}
 
 
 def _distinct_words(variants: list[str]) -> dict[str, str]:
     """Each name without the words all of them share at the start and at the end (at least one word kept)."""
     words = [v.split() for v in variants]
-    shortest = min(len(w) for w in words)
-    start = 0
+    shortest, start, end = min(len(w) for w in words), 0, 0
     while start < shortest - 1 and len({w[start] for w in words}) == 1:
         start += 1
-    end = 0
     while end < shortest - 1 - start and len({w[-1 - end] for w in words}) == 1:
         end += 1
     return {v: " ".join(w[start:len(w) - end]) for v, w in zip(variants, words)}
