@@ -15,18 +15,19 @@ N = 2^20).
   float32, TF32x3 and TF32 products emulated on the CPU (Note [close pairs]); the scaling study,
   time and peak memory of dense and tiled against N = 2^10 ... 2^16 at d = 256 under the same
   24 GiB limit (CUDA: dense, tiled and triton up to 2^20).
-* CUDA (one run, a few minutes): N = 32,768, d = 512: dense; triton under each
+* CUDA (one run, a few minutes): N = 32,768, d = 512: dense; the two Triton backends, ``gemm``
+  (cuBLAS products, one pair kernel) and ``triton`` (fused kernels), under each
   ``torch.set_float32_matmul_precision`` ("highest" -> ieee, "high" -> tf32, "medium" ->
   tf32) with three Gram products at the same precision, forward-only times, peak memory, the
   chosen autotuning configurations, and the error of value and gradient against a float64
-  (tiled) reference; the dense / triton (float32) and dense / tiled (float64) crossovers at
-  d = 256 (they set ``TRITON_ABOVE`` and ``TILED_ABOVE_CUDA``); and N = 2^20, d = 512 with triton
-  (one fwd + bwd) at the most accurate precision whose time, extrapolated from N = 32,768,
-  stays under ``HUGE_TARGET_S``.  The scaling study runs on CUDA only when asked for
+  (tiled) reference; the dense / triton and dense / gemm (float32) and dense / tiled (float64)
+  crossovers at d = 256 (they set ``TRITON_ABOVE`` and ``TILED_ABOVE_CUDA``); and N = 2^20, d = 512
+  with each Triton backend (one fwd + bwd) at the most accurate precision whose time, extrapolated
+  from N = 32,768, stays under ``HUGE_TARGET_S``.  The scaling study runs on CUDA only when asked for
   (``--only scaling``: ``gpu_check.sh scaling``), since it takes longer than the rest.
 
 ``--compile-check`` compiles every kernel configuration for sm_90 on the CPU (no GPU) and
-prints registers and spills from ``ptxas -v``.
+prints registers and spills from ``ptxas -v`` (the fused kernels', then the ``gemm`` backend's).
 ``SPHEREML_BENCH_SMOKE=1`` (or ``--smoke``) runs every case at tiny sizes and saves nothing;
 ``--plan cuda`` runs the CUDA plan on CPU tensors (with ``TRITON_INTERPRET=1``), which is how
 ``tests/test_benchmarks.py::test_the_energy_benchmark_runs_both_plans_in_smoke_mode`` checks this file
@@ -146,12 +147,13 @@ def _config_text(cfg) -> str:
     return " ".join(blocks + [f"warps={cfg.num_warps}", f"stages={cfg.num_stages}"])
 
 
-def _case_triton_suite(spec: dict, device: torch.device) -> dict:
-    """Triton at each matmul precision: time, forward time, Gram products, peak memory, configs, error vs float64."""
+def _case_fused_suite(spec: dict, device: torch.device) -> dict:
+    """One Triton backend (``spec["backend"]``: the fused kernels ``triton`` or ``gemm``) at each matmul precision:
+    time, forward time, Gram products, peak memory, configurations (``triton``), error against float64."""
     from sphereml.energy import _triton_kernels as kernels
     from sphereml.energy import hyperspherical_energy
 
-    n, d, repeats = spec["n"], spec["d"], spec["repeats"]
+    n, d, repeats, backend = spec["n"], spec["d"], spec["repeats"], spec.get("backend", "triton")
     w = _points(n, d, device).requires_grad_(True)
     exact_w = w.detach().double().requires_grad_(True)
     exact_value = hyperspherical_energy(exact_w, s=2.0, backend="tiled")
@@ -161,25 +163,25 @@ def _case_triton_suite(spec: dict, device: torch.device) -> dict:
     runs = {}
     for precision in PRECISIONS:
         torch.set_float32_matmul_precision(precision)
-        step = _energy_step(w, "triton")
+        step = _energy_step(w, backend)
         started = time.perf_counter()
-        step()  # compile and autotune at this size (the autotuning key holds the precision)
+        step()  # compile (and for triton autotune) at this size (the autotuning key holds the precision)
         if device.type == "cuda":
             torch.cuda.synchronize()
         tune_seconds = time.perf_counter() - started
-        value = hyperspherical_energy(w, s=2.0, backend="triton")
+        value = hyperspherical_energy(w, s=2.0, backend=backend)
         w.grad = None
         value.backward()
         errors = {"value_relative_error": _relative_error(value, exact_value),
                   "grad_relative_error": _relative_error(w.grad, exact_grad)}
         with PeakMemory(device) as peak:
             seconds = _median_time(step, device, repeats)
-        runs[precision] = {"seconds": seconds, "forward_seconds": _median_time(_energy_forward(w, "triton"), device,
+        configs = {} if backend != "triton" else {"forward_config": _config(kernels.forward_kernel),
+                                                  "backward_config": _config(kernels.backward_kernel)}
+        runs[precision] = {"seconds": seconds, "forward_seconds": _median_time(_energy_forward(w, backend), device,
                                                                                repeats),
                            "gram_seconds": _median_time(_three_grams(w.detach()), device, repeats),
-                           "peak_bytes": peak.bytes, "first_call_seconds": tune_seconds, **errors,
-                           "forward_config": _config(kernels.forward_kernel),
-                           "backward_config": _config(kernels.backward_kernel)}
+                           "peak_bytes": peak.bytes, "first_call_seconds": tune_seconds, **errors, **configs}
     torch.set_float32_matmul_precision("highest")
     return {"precisions": runs}
 
@@ -210,18 +212,18 @@ def _case_crossover(spec: dict, device: torch.device) -> dict:
 
 
 def _case_huge(spec: dict, device: torch.device) -> dict:
-    """One triton fwd + bwd at N = 2^20 (after tuning on a prefix, as the launcher itself does)."""
+    """One fwd + bwd of ``spec["backend"]`` at N = 2^20 (triton after tuning on a prefix, as its launcher does)."""
     from sphereml.energy.triton_backend import TUNE_CAP
 
     torch.set_float32_matmul_precision(spec["precision"])
     w = _points(spec["n"], spec["d"], device).requires_grad_(True)
-    _energy_step(w[:TUNE_CAP].detach().clone().requires_grad_(True), "triton")()  # compile + autotune
+    _energy_step(w[:TUNE_CAP].detach().clone().requires_grad_(True), spec["backend"])()  # compile (+ autotune)
     with PeakMemory(device) as peak:
-        seconds = _median_time(_energy_step(w, "triton"), device, 1)
+        seconds = _median_time(_energy_step(w, spec["backend"]), device, 1)
     return {"seconds": seconds, "peak_bytes": peak.bytes, "finite_grad": bool(torch.isfinite(w.grad).all())}
 
 
-CASES = {"fwd_bwd": _case_fwd_bwd, "triton_suite": _case_triton_suite, "crossover": _case_crossover,
+CASES = {"fwd_bwd": _case_fwd_bwd, "fused_suite": _case_fused_suite, "crossover": _case_crossover,
          "huge": _case_huge}
 
 
@@ -381,7 +383,7 @@ def run_scaling(run: _Runner, backends: tuple[str, ...], sizes: list[int], limit
 def _crossover_spec(plan: str, smoke: bool) -> dict:
     if plan == "cuda":
         sizes = [32, 64] if smoke else [256, 512, 1024, 2048, 4096, 8192]
-        pairs = [["float32", "dense", "triton"], ["float64", "dense", "tiled"]]
+        pairs = [["float32", "dense", "triton"], ["float32", "dense", "gemm"], ["float64", "dense", "tiled"]]
     else:
         sizes = [16, 32] if smoke else [16, 32, 64, 128, 256, 512, 1024, 2048, 4096]
         pairs = [["float32", "dense", "tiled"]]
@@ -398,56 +400,64 @@ CUDA_PARTS = ("main", "crossover", "huge")  # the CUDA plan without --only; "sca
 def _run_cuda_plan(run: _Runner, result: dict, smoke: bool, only: set | None) -> None:
     parts = set(CUDA_PARTS) if only is None else only
     n, d = (64, 16) if smoke else (32768, 512)
-    suite = {}
+    suites = {}
     if "main" in parts:
-        suite = _run_cuda_main(run, result, n, d)
+        suites = _run_cuda_main(run, result, n, d)
     if "crossover" in parts:
         crossover = run({k: v for k, v in _crossover_spec("cuda", smoke).items() if k != "timeout"}, timeout=150)
         result["crossover"] = {k: v for k, v in crossover.items() if " vs " in k} or crossover
         _show_crossover(result["crossover"]) if crossover.get("ok") else print(f"energy crossover failed: {crossover}")
     if "scaling" in parts:
-        backends = ("dense", "tiled", "triton") + (("keops",) if _keops_importable() else ())
+        backends = ("dense", "tiled", "triton", "gemm") + (("keops",) if _keops_importable() else ())
         result["scaling"] = run_scaling(run, backends, SCALING_SIZES_CUDA, 0, smoke)
     if "huge" in parts:
-        _run_cuda_huge(run, result, suite, n, d, smoke)
+        _run_cuda_huge(run, result, suites, n, d, smoke)
+
+
+FUSED = ("gemm", "triton")  # the Triton backends the CUDA plan times, the cheaper first
 
 
 def _run_cuda_main(run: _Runner, result: dict, n: int, d: int) -> dict:
-    """Dense against the fused kernel at each float32 matmul precision, N = n, d = d; the suite's result."""
+    """Dense against each Triton backend at each float32 matmul precision, N = n, d = d; {backend: suite}."""
     dense = run(dict(kind="fwd_bwd", n=n, d=d, backend="dense", repeats=3, forward=True), timeout=150)
     result["runs"].append(dense)
     _show(dense)
-    suite = run(dict(kind="triton_suite", n=n, d=d, repeats=3), timeout=300)
-    result["runs"].append(suite)
-    if not suite.get("ok"):
-        print(f"energy N={n} d={d} triton: failed ({suite.get('error')})")
     print("energy: Gram products run in cuBLAS at torch's setting (highest: FP32; high and medium: TF32), the triton "
-          "kernel at highest: ieee, high and medium: tf32")
-    for precision, r in suite.get("precisions", {}).items():
-        print(f"energy N={n} d={d} triton {precision:7s}: {r['seconds']:.4f} s fwd+bwd, forward only "
-              f"{r['forward_seconds']:.4f} s, three Gram products {r['gram_seconds']:.4f} s -> "
-              f"triton/gram x{r['seconds'] / r['gram_seconds']:.2f}, peak memory {r['peak_bytes'] / GIB:.2f} GiB, "
-              f"error vs float64: value {r['value_relative_error']:.1e}, gradient {r['grad_relative_error']:.1e} "
-              f"(first call {r['first_call_seconds']:.1f} s; configs {r['forward_config']} / {r['backward_config']})")
-        if dense.get("ok"):
-            print(f"energy N={n} d={d} triton {precision:7s} / dense: x{r['seconds'] / dense['seconds']:.2f} time, "
-                  f"x{r['peak_bytes'] / max(dense['peak_bytes'], 1):.4f} peak memory")
-    return suite
+          "kernel at highest: ieee, high and medium: tf32, the gemm backend's products in cuBLAS")
+    suites = {}
+    for backend in FUSED:
+        suite = suites[backend] = run(dict(kind="fused_suite", backend=backend, n=n, d=d, repeats=3), timeout=300)
+        result["runs"].append(suite)
+        if not suite.get("ok"):
+            print(f"energy N={n} d={d} {backend}: failed ({suite.get('error')})")
+        for precision, r in suite.get("precisions", {}).items():
+            configs = f"; configs {r['forward_config']} / {r['backward_config']}" if "forward_config" in r else ""
+            print(f"energy N={n} d={d} {backend} {precision:7s}: {r['seconds']:.4f} s fwd+bwd, forward only "
+                  f"{r['forward_seconds']:.4f} s, three Gram products {r['gram_seconds']:.4f} s -> "
+                  f"{backend}/gram x{r['seconds'] / r['gram_seconds']:.2f}, peak memory "
+                  f"{r['peak_bytes'] / GIB:.2f} GiB, error vs float64: value {r['value_relative_error']:.1e}, "
+                  f"gradient {r['grad_relative_error']:.1e} (first call {r['first_call_seconds']:.1f} s{configs})")
+            if dense.get("ok"):
+                print(f"energy N={n} d={d} {backend} {precision:7s} / dense: x{r['seconds'] / dense['seconds']:.2f} "
+                      f"time, x{r['peak_bytes'] / max(dense['peak_bytes'], 1):.4f} peak memory")
+    return suites
 
 
-def _run_cuda_huge(run: _Runner, result: dict, suite: dict, n: int, d: int, smoke: bool) -> None:
-    # N = 2^20: the most accurate precision whose time extrapolated from N (x (2^20 / N)^2) fits HUGE_TARGET_S
+def _run_cuda_huge(run: _Runner, result: dict, suites: dict, n: int, d: int, smoke: bool) -> None:
+    # N = 2^20 for each backend: the most accurate precision whose time extrapolated from N (x (2^20 / N)^2) fits
+    # HUGE_TARGET_S
     huge_n = 128 if smoke else 2**20
-    measured = suite.get("precisions", {})
-    precision = next((p for p in PRECISIONS if p in measured
-                      and measured[p]["seconds"] * (huge_n / n) ** 2 <= HUGE_TARGET_S), "medium")
-    estimate = measured.get(precision, {}).get("seconds", 0.1) * (huge_n / n) ** 2
-    huge = run(dict(kind="huge", n=huge_n, d=d, precision=precision, backend="triton"),
-               timeout=max(60.0, min(300.0, 2.5 * estimate + 30)))
-    result["runs"].append(huge)
-    print(f"energy N={huge_n} d={d} triton at precision {precision!r} (extrapolated {estimate:.0f} s): "
-          + (f"{huge['seconds']:.1f} s fwd+bwd, peak memory {huge['peak_bytes'] / GIB:.2f} GiB"
-             if huge.get("ok") else f"failed ({huge.get('error')})"))
+    for backend in FUSED:
+        measured = suites.get(backend, {}).get("precisions", {})
+        precision = next((p for p in PRECISIONS if p in measured
+                          and measured[p]["seconds"] * (huge_n / n) ** 2 <= HUGE_TARGET_S), "medium")
+        estimate = measured.get(precision, {}).get("seconds", 0.1) * (huge_n / n) ** 2
+        huge = run(dict(kind="huge", n=huge_n, d=d, precision=precision, backend=backend),
+                   timeout=max(60.0, min(300.0, 2.5 * estimate + 30)))
+        result["runs"].append(huge)
+        print(f"energy N={huge_n} d={d} {backend} at precision {precision!r} (extrapolated {estimate:.0f} s): "
+              + (f"{huge['seconds']:.1f} s fwd+bwd, peak memory {huge['peak_bytes'] / GIB:.2f} GiB"
+                 if huge.get("ok") else f"failed ({huge.get('error')})"))
 
 
 def _run_cpu_plan(run: _Runner, result: dict, smoke: bool, only: set | None) -> None:
@@ -538,6 +548,31 @@ def compile_check(arch: int = 90) -> list[dict]:
     return rows
 
 
+def gemm_compile_check(arch: int = 90) -> list[dict]:
+    """Compile the ``gemm`` backend's two kernels (:mod:`sphereml.energy._gemm_kernels`) for ``sm_<arch>`` without a
+    GPU, for each s fast path (and the pair kernel with and without the gradient): ``ptxas -v`` registers and spills.
+    Must run without TRITON_INTERPRET."""
+    from sphereml.energy import _gemm_kernels as kernels
+
+    from .sm90 import compile_kernel
+
+    types = {"G": "*fp32", "Q": "*fp32", "SQ": "*fp32", "VALS": "*fp32", "DSUM": "*fp32", "FLAGS": "*i32",
+             "GRAD": "*fp32", "row0": "i32", "b": "i32", "M": "i32", "D": "i32", "stride_q": "i32", "stride_g": "i32",
+             "stride_grad": "i32", "tiles": "i32", "s": "fp32", "eps": "fp32", "close_r2": "fp32"}
+    (bm, bn, warps), (bdo, close_warps) = kernels.PAIR_BLOCKS, kernels.CLOSE_BLOCKS
+    forms = [("pair", kernels.pair_kernel, {"WITH_GRAD": grad, "BM": bm, "BN": bn}, warps) for grad in (True, False)]
+    forms.append(("close gradient", kernels.close_gradient_kernel, {"BM": bm, "BN": bn, "BDO": bdo}, close_warps))
+    rows = []
+    for name, kernel, constants, num_warps in forms:
+        for power in (0, 1, 2, -1):
+            row = {"kernel": name, "power": power, **{k: v for k, v in constants.items() if k == "WITH_GRAD"},
+                   **compile_kernel(kernel, types, {"POWER": power, **constants}, num_warps, 1, arch)}
+            rows.append(row)
+            print(f"compile sm_{arch} gemm {name:14s} POWER {power:2d} {constants}: registers {row['registers']}, "
+                  f"spill stores {row['spill_store_bytes']} B", flush=True)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--worker", help="run one case (JSON spec) and print its result as JSON")
@@ -552,6 +587,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.compile_check:
         compile_check(args.compile_check)
+        gemm_compile_check(args.compile_check)
         return
     if args.worker:
         print(json.dumps(worker(json.loads(args.worker))))

@@ -82,8 +82,8 @@ def pytest_terminal_summary(terminalreporter, config):
         terminalreporter.write_line(f"fuzzing: {sum(cases.values())} cases over {len(cases)} property tests")
 
 
-def sm90_compile_rows(benchmark: str) -> list[dict]:
-    """``benchmarks.<benchmark>.compile_check()``'s rows: its Triton kernels compiled for an H100 on this machine
+def sm90_compile_rows(benchmark: str, function: str = "compile_check") -> list[dict]:
+    """``benchmarks.<benchmark>.<function>()``'s rows: its Triton kernels compiled for an H100 on this machine
     (``benchmarks/sm90.py``), in a subprocess without TRITON_INTERPRET (the test process may interpret them)."""
     pytest.importorskip("triton.compiler", reason="needs Triton's compiler")
     import json
@@ -91,7 +91,7 @@ def sm90_compile_rows(benchmark: str) -> list[dict]:
     import sys
     from pathlib import Path
 
-    code = f"import json; from benchmarks.{benchmark} import compile_check; print(json.dumps(compile_check()))"
+    code = f"import json; from benchmarks.{benchmark} import {function}; print(json.dumps({function}()))"
     done = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1], text=True,
                           capture_output=True, env={**os.environ, "TRITON_INTERPRET": "0"}, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]

@@ -73,7 +73,7 @@ def test_the_energy_benchmark_runs_both_plans_in_smoke_mode(monkeypatch, capsys)
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     lines = proc.stdout.strip().splitlines()
     assert lines and lines[-1] == '{"ok": true}', proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "triton medium" in proc.stdout and "crossover" in proc.stdout
+    assert "triton medium" in proc.stdout and "gemm medium" in proc.stdout and "crossover" in proc.stdout
 
 
 def test_peak_memory_sees_what_one_call_allocates():

@@ -210,17 +210,18 @@ def test_auto_backend_choice():
     assert energy_metric(_w(), s=1.0) == pytest.approx(float(E(_w(), s=1.0)))
 
 
-def test_triton_refused_where_it_cannot_run(monkeypatch):
+@pytest.mark.parametrize("backend", ["triton", "gemm"])
+def test_triton_refused_where_it_cannot_run(monkeypatch, backend):
     from sphereml.energy import triton_importable
 
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     if triton_importable() and not torch.cuda.is_available():
-        with pytest.raises(RuntimeError, match="CUDA"):
-            E(_w().float(), backend="triton")
-    with pytest.raises(ValueError, match="euclidean"):
-        E(_w().float(), metric="angular", backend="triton")
+        with pytest.raises(RuntimeError, match=f"backend='{backend}' needs CUDA"):
+            E(_w().float(), backend=backend)
+    with pytest.raises(ValueError, match=f"the {backend} backend fuses the euclidean metric only"):
+        E(_w().float(), metric="angular", backend=backend)
     with pytest.raises(ValueError, match="float64.*backend='tiled'"):
-        E(_w(), backend="triton")  # never computed in float32 behind the caller's back
+        E(_w(), backend=backend)  # never computed in float32 behind the caller's back
 
 
 def test_argument_checks_read_no_tensor_values():

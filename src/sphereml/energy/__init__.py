@@ -9,8 +9,10 @@ uses exactly this pair mean.  Published Thomson energies count *unordered* pairs
 on S^2, E_Thomson = N (N - 1) E / 2.
 
 Backends (same values and gradients): ``dense`` (:mod:`~sphereml.energy.dense`, the reference),
-``tiled`` (:mod:`~sphereml.energy.tiled`, O(N * block) memory, CPU or GPU) and ``triton``
-(:mod:`~sphereml.energy.triton_backend`, fused kernels, Euclidean metric, float32 arithmetic).
+``tiled`` (:mod:`~sphereml.energy.tiled`, O(N * block) memory, CPU or GPU), ``triton``
+(:mod:`~sphereml.energy.triton_backend`, fused kernels, Euclidean metric, float32 arithmetic) and ``gemm``
+(:mod:`~sphereml.energy.gemm_backend`: cuBLAS products with one Triton kernel between them, Euclidean, float32,
+no host synchronisation; chosen only explicitly until a GPU has timed it against ``triton``).
 ``auto`` decides from the tensor: float32 or half CUDA tensors go to triton when the matmul
 precision allows TF32 ("high" or "medium") and there are more than ``TRITON_ABOVE`` points (the
 kernel's exact-float32 path is slower than dense; see :mod:`~sphereml.energy.triton_backend`);
@@ -41,6 +43,7 @@ from ..geometry import normalize
 from .batched import REDUCTIONS, LayerEnergies, PointSets, pair_weights
 from .gram import gram_energies
 from .dense import dense_energy
+from .gemm_backend import gemm_energy
 from .kernels import METRICS, pair_values
 from .minimise import minimal_energy_points
 from .sharded import sharded_energy
@@ -50,7 +53,7 @@ from .triton_backend import TRITON_DTYPES, matmul_precision, triton_energy, trit
 __all__ = ["hyperspherical_energy", "minibatch_energy", "sharded_energy", "energy_metric", "layer_energy",
            "output_energy", "minimal_energy_points", "BACKENDS", "BATCHED_MAX", "METRICS", "REDUCTIONS"]
 
-BACKENDS = ("auto", "dense", "tiled", "triton", "batched")
+BACKENDS = ("auto", "dense", "tiled", "triton", "gemm", "batched")
 # Layers of at most this many neurons go to the batched, sync-free evaluation (Note [batched energy]) in the
 # regularisers, and single sets of at most this many points to backend "batched" under "auto" on CUDA: its
 # float64 Gram matrices and pair weights hold 8 N^2 bytes each (32 MiB at 2048).
@@ -110,17 +113,18 @@ def _backend_for(points: Tensor, m: int, metric: str, backend: str) -> str:
     never drops float64."""
     global _warned_no_triton
     one_of("backend", backend, BACKENDS)
-    if backend == "triton":
+    if backend in ("triton", "gemm"):
         if metric != "euclidean":
-            raise ValueError("the triton backend fuses the euclidean metric only; use backend='tiled' for angular")
+            raise ValueError(f"the {backend} backend fuses the euclidean metric only; use backend='tiled' for "
+                             "angular")
         if points.dtype not in TRITON_DTYPES:
-            raise ValueError(f"backend='triton' computes in float32 and would silently lose the precision of "
+            raise ValueError(f"backend={backend!r} computes in float32 and would silently lose the precision of "
                              f"{points.dtype} input; use backend='tiled' (or 'dense') for float64, or pass w.float()")
         if not triton_importable():
-            raise RuntimeError("backend='triton' needs the triton package (pip install triton)")
+            raise RuntimeError(f"backend={backend!r} needs the triton package (pip install triton)")
         if not usable_on(points):
-            raise RuntimeError("backend='triton' needs CUDA tensors (or CPU tensors with TRITON_INTERPRET=1)")
-        return "triton"
+            raise RuntimeError(f"backend={backend!r} needs CUDA tensors (or CPU tensors with TRITON_INTERPRET=1)")
+        return backend
     if backend != "auto":
         return backend
     if points.is_cuda and metric == "euclidean" and points.dtype in TRITON_DTYPES:
@@ -147,8 +151,8 @@ def hyperspherical_energy(w: Tensor, s: float = 2.0, metric: str = "euclidean", 
         half_space (bool): add the virtual neurons -w_hat_i and average over the 2N (2N - 1)
             ordered pairs of the 2N points (eq. E.2). Default: False.
         weights (Tensor[N], optional): fixed beta_i > 0 of weighted MHE, points beta_i w_hat_i (eq. D.10).
-        backend (str): ``"auto"``, ``"dense"``, ``"tiled"``, ``"triton"`` (float32 / half only) or
-            ``"batched"`` (float64 Gram, no device synchronisation, Note [batched energy] in
+        backend (str): ``"auto"``, ``"dense"``, ``"tiled"``, ``"triton"`` or ``"gemm"`` (float32 / half only,
+            Euclidean) or ``"batched"`` (float64 Gram, no device synchronisation, Note [batched energy] in
             :mod:`~sphereml.energy.batched`; not with ``weights``). Default: ``"auto"``.
         eps (float): floor on squared distances, in (0, 1), see Note [energy floor] in
             :mod:`~sphereml.energy.kernels`. Default: 1e-7.
@@ -174,6 +178,8 @@ def hyperspherical_energy(w: Tensor, s: float = 2.0, metric: str = "euclidean", 
         return dense_energy(points, s, metric, eps)
     if chosen == "tiled":
         return tiled_energy(points, s, metric, eps)
+    if chosen == "gemm":
+        return gemm_energy(points, s, eps)
     return triton_energy(points, s, eps)
 
 

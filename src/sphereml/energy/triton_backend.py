@@ -63,7 +63,7 @@ from torch import Tensor
 from .kernels import CLOSE_R2
 
 __all__ = ["TRITON_DTYPES", "PRECISIONS", "TUNE_CAP", "triton_importable", "interpreting", "usable_on",
-           "FUSED_BACKENDS", "choose_backend", "matmul_precision", "TritonEnergy", "triton_energy"]
+           "FUSED_BACKENDS", "choose_backend", "matmul_precision", "power_path", "TritonEnergy", "triton_energy"]
 
 TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 PRECISIONS = {"highest": "ieee", "high": "tf32", "medium": "tf32"}  # torch setting -> tl.dot input_precision
@@ -120,8 +120,8 @@ def _kernels():
     return triton, _triton_kernels
 
 
-def _power(s: float) -> int:
-    """The ``POWER`` fast path of the kernel: 0 (log), 1, 2, or -1 (general s)."""
+def power_path(s: float) -> int:
+    """The ``POWER`` fast path of the kernels' ``riesz``: 0 (log), 1, 2, or -1 (general s)."""
     return int(s) if s in (0.0, 1.0, 2.0) else -1
 
 
@@ -129,20 +129,20 @@ def _launch(kind: str, q: Tensor, sq: Tensor, s: float, eps: float, precision: s
     """Run the forward (``kind="forward"``: Tensor[M] of row partial sums) or backward kernel (Tensor[M, d])."""
     triton, kernels = _kernels()
     m, d = q.shape
-    if m > TUNE_CAP and not interpreting() and (kind, d, _power(s), precision) not in _tuned_on_prefix:
+    if m > TUNE_CAP and not interpreting() and (kind, d, power_path(s), precision) not in _tuned_on_prefix:
         _launch(kind, q[:TUNE_CAP], sq[:TUNE_CAP], s, eps, precision)  # tunes the key M bucket = TUNE_CAP
-        _tuned_on_prefix.add((kind, d, _power(s), precision))
+        _tuned_on_prefix.add((kind, d, power_path(s), precision))
     m_key = min(triton.next_power_of_2(m), TUNE_CAP)
     args = (q, sq)
     scalars = (m, d, q.stride(0), m_key, float(s), float(eps), CLOSE_R2)
     if kind == "forward":
         out = torch.empty(m, dtype=torch.float32, device=q.device)
         kernels.forward_kernel[lambda meta: (triton.cdiv(m, meta["BLOCK"]),)](
-            *args, out, *scalars, POWER=_power(s), PRECISION=precision)
+            *args, out, *scalars, POWER=power_path(s), PRECISION=precision)
         return out
     grad = torch.empty_like(q)
     kernels.backward_kernel[lambda meta: (triton.cdiv(m, meta["BM"]), triton.cdiv(d, meta["BDO"]))](
-        *args, grad, *scalars, POWER=_power(s), PRECISION=precision)
+        *args, grad, *scalars, POWER=power_path(s), PRECISION=precision)
     return grad
 
 

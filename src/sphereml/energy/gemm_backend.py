@@ -1,0 +1,151 @@
+"""Euclidean energy from two cuBLAS products per block of rows and one Triton kernel between them.
+
+For a block of b rows of the points Q (Tensor[M, d]):
+
+1. G = Q_b Q^T (cuBLAS, Tensor[b, M]), at the precision of ``torch.get_float32_matmul_precision()``;
+2. one Triton kernel (:mod:`sphereml.energy._gemm_kernels`) reads G once: r^2 = ||q_i||^2 + ||q_j||^2 - 2 g_ij, the
+   pair values f(r^2) summed per row, and, when a gradient is wanted, D_ij = df/dg_ij of the far pairs written
+   over G, their row sums, and one flag per tile that holds a close pair;
+3. the rows' gradient sum_j D_ij (q_j - q_i) = (D Q)_i - (sum_j D_ij) q_i (cuBLAS, Tensor[b, d]), to which a second
+   small kernel adds the close pairs of the flagged tiles from explicit differences (Note [close pairs] in
+   :mod:`~sphereml.energy.kernels`).
+
+The gradient is computed in the forward pass, when ``points`` requires one, and kept (Tensor[M, d]) for the
+backward, which only scales it: the work is two Gram-sized products, where a separate backward would form the
+Gram matrix again.  Nothing reads the device on the host (no ``nonzero``, no data-dependent shapes): the blocks,
+tiles and launches follow from the shapes alone.
+
+Note [energy by cuBLAS products]
+    The fused kernels of :mod:`~sphereml.energy.triton_backend` do every product themselves with ``tl.dot``. At
+    N = 32,768, d = 512 (TF32) they took 12x the time of three cuBLAS Gram products on an H200
+    (``benchmarks/results/energy_fwd_bwd-cuda.json``): their backward recomputes the Gram tiles d / BDO times,
+    because an accumulator of d = 512 columns for a tile of rows does not fit in registers, and their tiles are
+    small.  Here the products are cuBLAS's, and the pair function costs one kernel that is bound by memory: per
+    ordered pair, G is written (4 bytes), read and overwritten by D (8) and read by the second product (4), 16
+    bytes in all.  Expected time, from those two facts alone: two thirds of three Gram products plus
+    16 N^2 bytes at the memory's bandwidth (17 GB at N = 32,768).  Not yet measured on a GPU; ``python -m
+    benchmarks energy`` times it beside the fused kernels and the three Gram products.  The price is memory:
+    one (b, M) block, ``BLOCK_BUDGET`` numbers, besides O(M d).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .kernels import CLOSE_R2
+from .triton_backend import power_path
+
+__all__ = ["BLOCK_BUDGET", "block_rows", "GemmEnergy", "gemm_energy"]
+
+BLOCK_BUDGET = 2**28  # numbers in one (b, M) Gram block: 1 GiB of float32
+
+
+def block_rows(m: int, budget: int = BLOCK_BUDGET) -> int:
+    """Rows per block so that one (rows, m) block holds at most ``budget`` numbers (at least one row)."""
+    return max(1, min(m, budget // max(m, 1)))
+
+
+def _kernels():
+    import triton
+
+    from . import _gemm_kernels
+
+    return triton, _gemm_kernels
+
+
+@torch.library.custom_op("sphereml::energy_pair_sums", mutates_args=("gram",))
+def _pair_sums(gram: Tensor, q: Tensor, sq: Tensor, start: int, s: float, eps: float,
+               with_grad: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """(values, dsum: Tensor[b, tiles], flags: Tensor[b / BM, tiles], int32) of the Gram block ``gram`` of rows
+    start ... start + b - 1; with ``with_grad`` the far pairs' D written over ``gram`` (``pair_kernel``)."""
+    triton, kernels = _kernels()
+    (m, d), b = q.shape, len(gram)
+    bm, bn, warps = kernels.PAIR_BLOCKS
+    row_tiles, tiles = triton.cdiv(b, bm), triton.cdiv(m, bn)
+    values = q.new_empty(b, tiles)
+    dsum = q.new_empty(b, tiles if with_grad else 0)
+    flags = q.new_empty(row_tiles, tiles if with_grad else 0, dtype=torch.int32)
+    kernels.pair_kernel[(row_tiles * tiles,)](
+        gram, q, sq, values, dsum if with_grad else values, flags if with_grad else values, start, b, m, d,
+        q.stride(0), gram.stride(0), tiles, s, eps, CLOSE_R2, POWER=power_path(s), WITH_GRAD=with_grad, BM=bm, BN=bn,
+        num_warps=warps)
+    return values, dsum, flags
+
+
+@_pair_sums.register_fake
+def _(gram, q, sq, start, s, eps, with_grad):
+    bm, bn = _blocks()
+    b, tiles = len(gram), -(-len(q) // bn)
+    return (q.new_empty(b, tiles), q.new_empty(b, tiles if with_grad else 0),
+            q.new_empty(-(-b // bm), tiles if with_grad else 0, dtype=torch.int32))
+
+
+@torch.library.custom_op("sphereml::energy_close_gradient", mutates_args=("rows",))
+def _close_gradient(rows: Tensor, q: Tensor, sq: Tensor, flags: Tensor, start: int, s: float, eps: float) -> None:
+    """Adds the close pairs of the flagged tiles to ``rows``, the gradient of rows start ... start + b - 1
+    (``close_gradient_kernel``)."""
+    triton, kernels = _kernels()
+    (m, d), b = q.shape, len(rows)
+    bm, bn, _ = kernels.PAIR_BLOCKS
+    bdo, warps = kernels.CLOSE_BLOCKS
+    kernels.close_gradient_kernel[(triton.cdiv(b, bm), triton.cdiv(d, bdo))](
+        q, sq, flags, rows, start, b, m, d, q.stride(0), rows.stride(0), flags.shape[1], s, eps, CLOSE_R2,
+        POWER=power_path(s), BM=bm, BN=bn, BDO=bdo, num_warps=warps)
+
+
+@_close_gradient.register_fake
+def _(rows, q, sq, flags, start, s, eps):
+    return None
+
+
+def _blocks() -> tuple[int, int]:
+    """(BM, BN) of the pair kernels' tiles (:data:`sphereml.energy._gemm_kernels.PAIR_BLOCKS`)."""
+    return _kernels()[1].PAIR_BLOCKS[:2]
+
+
+def _block(q: Tensor, sq: Tensor, start: int, stop: int, buffer: Tensor, s: float, eps: float,
+           grad: Tensor | None) -> Tensor:
+    """The sum over the rows start:stop of f over their pairs (0-d float64); with ``grad``, those rows of the
+    gradient sum_j D_ij (q_j - q_i) written into it.  Two cuBLAS products and the two kernels' custom operators."""
+    gram = torch.mm(q[start:stop], q.T, out=buffer[:stop - start])  # (b, M)
+    values, dsum, flags = torch.ops.sphereml.energy_pair_sums(gram, q, sq, start, float(s), float(eps),
+                                                               grad is not None)
+    if grad is not None:
+        rows = torch.mm(gram, q, out=grad[start:stop])  # (D Q)_i of the far pairs: (b, d)
+        rows.addcmul_(dsum.sum(1, keepdim=True), q[start:stop], value=-1.0)
+        torch.ops.sphereml.energy_close_gradient(rows, q, sq, flags, start, float(s), float(eps))
+    return values.sum(dtype=torch.float64)
+
+
+class GemmEnergy(torch.autograd.Function):
+    """``GemmEnergy.apply(points, s, eps, block)``: the Euclidean pair-mean energy of ``points`` (Tensor[M, d]) by
+    cuBLAS products and the Triton pair kernels (float32 arithmetic); ``block``: rows per Gram block."""
+
+    @staticmethod
+    def forward(ctx, points: Tensor, s: float, eps: float, block: int | None) -> Tensor:
+        q = points.detach().float().contiguous()  # (M, d)
+        m = len(q)
+        sq = (q * q).sum(1)  # (M,)
+        rows = block or block_rows(m)
+        buffer = q.new_empty(min(rows, m), m)
+        grad = torch.empty_like(q) if ctx.needs_input_grad[0] else None
+        total = torch.zeros((), dtype=torch.float64, device=q.device)
+        for start in range(0, m, rows):
+            total += _block(q, sq, start, min(start + rows, m), buffer, s, eps, grad)
+        if grad is not None:
+            ctx.save_for_backward(grad)
+        ctx.scale, ctx.dtype = 2.0 / (m * (m - 1)), points.dtype
+        return (total / (m * (m - 1))).to(points.dtype)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_output: Tensor):
+        (grad,) = ctx.saved_tensors
+        return (grad * (grad_output * ctx.scale)).to(ctx.dtype), None, None, None
+
+
+def gemm_energy(points: Tensor, s: float, eps: float, block: int | None = None) -> Tensor:
+    """Pair-mean Euclidean energy of ``points`` (Tensor[M, d], float32 or half), two cuBLAS products per block of
+    ``block`` rows (default :func:`block_rows`) with the Triton pair kernels between them."""
+    return GemmEnergy.apply(points, s, eps, block)
