@@ -202,7 +202,7 @@ def test_fused_decoupled_operator_matches_float64_reference(magnitude, angular):
     w = torch.randn(8, 3, 3, 3, generator=torch.Generator().manual_seed(11))
 
     def run(backend, dtype, device):
-        xx, ww = (v.to(device, dtype).requires_grad_(True) for v in (x, w))
+        xx, ww = (v.to(device, dtype).clone().requires_grad_(True) for v in (x, w))
         rho = torch.tensor(2.0, dtype=torch.float64 if dtype == torch.float64 else torch.float32, device=device,
                            requires_grad=True)
         out = decoupled_conv2d(xx, ww, padding=1, groups=2, magnitude=magnitude, angular=angular, rho=rho, k=0.4,
@@ -210,13 +210,17 @@ def test_fused_decoupled_operator_matches_float64_reference(magnitude, angular):
         g = torch.randn(out.shape, generator=torch.Generator().manual_seed(12)).to(device, dtype)
         (out * g).sum().backward()
         return out.detach(), xx.grad, ww.grad, rho.grad
-    ref, fused = run("reference", torch.float64, "cpu"), run("fused", torch.float32, DEVICE)
-    for i, (a, b) in enumerate(zip(ref, fused)):
+    ref = run("reference", torch.float64, "cpu")
+    fused, ref32 = run("fused", torch.float32, DEVICE), run("reference", torch.float32, DEVICE)
+    for i, (a, b, c) in enumerate(zip(ref, fused, ref32)):
         if a is None:  # rho: no gradient for the magnitudes without a radius
             assert b is None
             continue
-        tolerance = 2e-6 if i == 0 else 5e-5
-        torch.testing.assert_close(b.double().cpu(), a, rtol=0, atol=tolerance * max(float(a.abs().max()), 1e-12))
+        # no worse than twice PyTorch's own float32 error (STYLE rule 13): rho's gradient, one sum over every
+        # position, carries float32 rounding of 5e-5 relative in both paths on some CPUs
+        own = float((c.double().cpu() - a).abs().max())
+        tolerance = (2e-6 if i == 0 else 5e-5) * max(float(a.abs().max()), 1e-12)
+        torch.testing.assert_close(b.double().cpu(), a, rtol=0, atol=tolerance + 2 * own)
 
 
 def test_a_radius_per_channel_keeps_the_reference_path_and_its_values():
