@@ -11,7 +11,8 @@
 #             in $OUT/failures.txt, their messages in $OUT/failure-messages.txt as they happen (so a suite
 #             stopped by its limit still says why), the whole log in $OUT/tests.txt     (TESTS_LIMIT, 240 s)
 #   bench     every benchmark on CUDA but the energy's scaling study (or the listed ones), with inductor's
-#             reasons for skipping CUDA graphs (TORCH_LOGS=perf_hints)                    (BENCH_LIMIT, 240 s)
+#             reasons for skipping CUDA graphs (TORCH_LOGS=perf_hints), then the open issues' goals against
+#             the saved results in $OUT/goals.txt (python -m benchmarks.goals)           (BENCH_LIMIT, 240 s)
 #   scaling   the energy's scaling study up to N = 2^20                                   (SCALING_LIMIT, 500 s)
 #   profile   each patch layer by backend: wall, host and device time per call, top kernels (PROFILE_LIMIT, 120 s)
 #   chapter:NAME / chapters   a chapter's gpu profile (all nine, one after another; chapters-at-once: all at
@@ -81,6 +82,10 @@ for part in "${PARTS[@]}"; do
       fi
       # perf_hints: inductor says when it skips CUDA graphs for a compiled candidate, and why
       TORCH_LOGS=${TORCH_LOGS-perf_hints} step bench "${BENCH_LIMIT:-240}" $PY -m benchmarks ${names//,/ }
+      # the open issues' goals against the results saved now (and earlier): met / missed / not measured
+      $PY -m benchmarks.goals cuda > "$OUT/goals.txt" 2>&1
+      echo "goals: $(grep -c '| met |' "$OUT/goals.txt") met, $(grep -c '| missed |' "$OUT/goals.txt") missed" \
+        "(goals.txt)" | tee -a "$OUT/summary.txt"
       ;;
     scaling)
       step scaling "${SCALING_LIMIT:-500}" $PY -m benchmarks.bench_energy --only scaling

@@ -180,3 +180,31 @@ def test_describe_saved_runs_walks_the_devices_present(tmp_path):
     assert [t.splitlines()[0] for t in describe_saved_runs(tmp_path, "step", "none", devices=("cuda", "mps"))] \
         == ["NVIDIA H200, 2026-11-27:"]
     assert describe_saved_runs(tmp_path, "other", "none") == []
+
+
+def test_the_goals_report_reads_the_saved_results(tmp_path, monkeypatch):
+    """benchmarks/goals.py: met, missed and not measured from result files, failures from the energy's runs; every
+    goal names a candidate of a committed result file (the smoke suite runs only some candidates)."""
+    monkeypatch.syspath_prepend(str(REPO))
+    from benchmarks import goals
+
+    goal = goals.GOALS[0]
+    assert goals.status(goal, "cuda", tmp_path)["met"] is None
+    for ratio, met in ((goal.limit, True), (goal.limit + 0.01, False)):
+        (tmp_path / f"{goal.stem}-cuda.json").write_text(json.dumps(
+            {"device": "GPU X", "date": "2026-12-01T10:00", "ratio_to_base": {"base": 1.0, goal.candidate: ratio}}))
+        assert goals.status(goal, "cuda", tmp_path) == {"ratio": ratio, "met": met, "device": "GPU X",
+                                                        "date": "2026-12-01"}
+    (tmp_path / "energy_fwd_bwd-cuda.json").write_text(json.dumps({"device": "GPU X", "date": "2026-12-01", "runs": [
+        {"kind": "fused_suite", "backend": "gemm", "n": 32768, "d": 512, "ok": True,
+         "precisions": {"high": {"seconds": 0.03, "gram_seconds": 0.01}}},
+        {"kind": "huge", "backend": "gemm", "n": 2**20, "d": 512, "ok": False, "error": "timed out after 9 s"}]}))
+    energy = goals.energy_status("cuda", tmp_path)
+    assert [(row["figure"], row["met"]) for row in energy] == [(pytest.approx(3.0), False), (None, None)]
+    rows = goals.report("cuda", tmp_path)
+    assert len(rows) == 2 + len(goals.GOALS) + 2 and "failed (timed out after 9 s)" in rows[-1]
+    assert sum("| not measured |" in row for row in rows) == len(goals.GOALS) - 1
+    for g in goals.GOALS:
+        saved = [REPO / "benchmarks" / "results" / f"{g.stem}-{device}.json" for device in ("cpu", "cuda")]
+        saved = [json.loads(path.read_text())["seconds"] for path in saved if path.is_file()]
+        assert saved and all(g.candidate in seconds for seconds in saved), (g.stem, g.candidate)
