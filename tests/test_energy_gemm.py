@@ -24,6 +24,7 @@ from sphereml.energy import hyperspherical_energy as E  # noqa: E402
 from sphereml.energy.dense import dense_energy  # noqa: E402
 from sphereml.energy.gemm_backend import block_rows, gemm_energy  # noqa: E402
 from sphereml.energy.kernels import CLOSE_R2  # noqa: E402
+from sphereml.energy.tiled import tiled_energy  # noqa: E402
 from sphereml.geometry import normalize  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -142,3 +143,19 @@ def test_kernels_compile_for_sm90_without_spills():
     for row in rows:
         assert row["spill_store_bytes"] in (0, None), row
         assert row["registers"] is None or row["registers"] <= 128, row
+
+
+def test_fewer_products_and_passes_than_tiled_and_no_host_read():
+    """What ``auto`` weighs when it sends a large float32 set on a GPU to gemm rather than tiled: per block of rows
+    two matrix products against tiled's three (its backward forms the Gram block again), fewer operations in all,
+    and no host read where tiled gathers close pairs with ``nonzero``."""
+    w = normalize(close_pair_points(96, 12, "duplicate", seed=6)).to(DEVICE)
+    energies = {"gemm": lambda x: gemm_energy(x, 2.0, 1e-7, 32), "tiled": lambda x: tiled_energy(x, 2.0, "euclidean",
+                                                                                                 1e-7, 32)}
+    counts = {b: launches.count_ops(lambda: energy(w.clone().requires_grad_(True)).backward())
+              for b, energy in energies.items()}
+    products = {b: sum(n for op, n in c.by_op.items() if op.split(".")[0] in ("aten::mm", "aten::addmm"))
+                for b, c in counts.items()}
+    assert products == {"gemm": 2 * 3, "tiled": 3 * 3}, products  # 96 rows in 3 blocks
+    assert counts["gemm"].total < counts["tiled"].total / 2, (counts["gemm"].total, counts["tiled"].total)
+    assert counts["tiled"].by_op["aten::nonzero"] > 0 and counts["gemm"].by_op["aten::nonzero"] == 0

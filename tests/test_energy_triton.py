@@ -129,7 +129,8 @@ def test_triton_refuses_float64(backend):
 
 @pytest.mark.needs_cuda
 def test_auto_sends_only_tf32_float32_to_triton(matmul_precision):
-    """auto: triton for float32 at TF32 precision; never for float64, nor at "highest" (its IEEE path is slow)."""
+    """auto: triton for float32 at TF32 precision; never for float64, nor at "highest" (its IEEE path is slow), where
+    large float32 sets go to gemm (tiled would synchronise the device)."""
     from sphereml.energy import TRITON_ABOVE, _backend_for
 
     n = max(TRITON_ABOVE + 1, 10)
@@ -138,4 +139,6 @@ def test_auto_sends_only_tf32_float32_to_triton(matmul_precision):
     assert _backend_for(torch.zeros(n, 3, device="cuda", dtype=torch.float64), n, "euclidean", "auto") != "triton"
     assert _backend_for(torch.zeros(8, 3, device="cuda"), 8, "euclidean", "auto") == "batched"  # no sync
     matmul_precision("highest")
-    assert _backend_for(torch.zeros(n, 3, device="cuda"), n, "euclidean", "auto") != "triton"
+    assert _backend_for(torch.zeros(n, 3, device="cuda"), n, "euclidean", "auto") == "gemm"  # no host sync
+    assert _backend_for(torch.zeros(n, 3, device="cuda", dtype=torch.float64), n, "euclidean", "auto") == "tiled"
+    assert _backend_for(torch.zeros(n, 3, device="cuda"), n, "angular", "auto") == "tiled"

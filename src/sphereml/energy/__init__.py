@@ -12,14 +12,16 @@ Backends (same values and gradients): ``dense`` (:mod:`~sphereml.energy.dense`, 
 ``tiled`` (:mod:`~sphereml.energy.tiled`, O(N * block) memory, CPU or GPU), ``triton``
 (:mod:`~sphereml.energy.triton_backend`, fused kernels, Euclidean metric, float32 arithmetic) and ``gemm``
 (:mod:`~sphereml.energy.gemm_backend`: cuBLAS products with one Triton kernel between them, Euclidean, float32,
-no host synchronisation; chosen only explicitly until a GPU has timed it against ``triton``).
+no host synchronisation).
 ``auto`` decides from the tensor: float32 or half CUDA tensors go to triton when the matmul
 precision allows TF32 ("high" or "medium") and there are more than ``TRITON_ABOVE`` points (the
 kernel's exact-float32 path is slower than dense; see :mod:`~sphereml.energy.triton_backend`);
-everything else, float64 included, goes to tiled above ``TILED_ABOVE`` points
-(``TILED_ABOVE_CUDA`` on CUDA), else dense.  ``auto`` never computes float64 input in float32,
-and an explicit ``backend="triton"`` with float64 input raises.  Without triton, ``auto`` on
-CUDA warns once and uses dense / tiled.
+CUDA sets of at most ``TILED_ABOVE_CUDA`` points go to batched; larger float32 or half Euclidean ones that
+triton does not take go to gemm, which does the work of tiled with fewer products and passes and without its
+host synchronisations (chosen by that count; not yet timed on a GPU); everything else, float64 included, goes to
+tiled above ``TILED_ABOVE`` points (``TILED_ABOVE_CUDA`` on CUDA), else dense.  ``auto`` never computes float64
+input in float32, and an explicit ``backend="triton"`` or ``"gemm"`` with float64 input raises.  Without triton,
+``auto`` on CUDA warns once and uses batched / tiled.
 
 Precision: every backend computes close pairs of neurons exactly (Note [close pairs] in
 :mod:`~sphereml.energy.kernels`).  Other pairs come from Gram matrix products at the precision
@@ -137,6 +139,8 @@ def _backend_for(points: Tensor, m: int, metric: str, backend: str) -> str:
                           stacklevel=3)
     if points.is_cuda and m <= TILED_ABOVE_CUDA:
         return "batched"  # dense's nonzero and boolean masks would synchronise the device (Note [batched energy])
+    if points.is_cuda and metric == "euclidean" and points.dtype in TRITON_DTYPES and triton_importable():
+        return "gemm"  # tiled gathers close pairs with nonzero, one synchronisation per block of rows
     return "tiled" if m > (TILED_ABOVE_CUDA if points.is_cuda else TILED_ABOVE) else "dense"
 
 
