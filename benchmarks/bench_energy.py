@@ -551,7 +551,8 @@ def compile_check(arch: int = 90) -> list[dict]:
 def gemm_compile_check(arch: int = 90) -> list[dict]:
     """Compile the ``gemm`` backend's two kernels (:mod:`sphereml.energy._gemm_kernels`) for ``sm_<arch>`` without a
     GPU, for each s fast path (and the pair kernel with and without the gradient): ``ptxas -v`` registers and spills.
-    Must run without TRITON_INTERPRET."""
+    Compiled with one pipeline stage, as ``sphereml.energy.gemm_backend`` launches them.  Must run without
+    TRITON_INTERPRET."""
     from sphereml.energy import _gemm_kernels as kernels
 
     from .sm90 import compile_kernel
@@ -559,9 +560,10 @@ def gemm_compile_check(arch: int = 90) -> list[dict]:
     types = {"G": "*fp32", "Q": "*fp32", "SQ": "*fp32", "VALS": "*fp32", "DSUM": "*fp32", "FLAGS": "*i32",
              "GRAD": "*fp32", "row0": "i32", "b": "i32", "M": "i32", "D": "i32", "stride_q": "i32", "stride_g": "i32",
              "stride_grad": "i32", "tiles": "i32", "s": "fp32", "eps": "fp32", "close_r2": "fp32"}
-    (bm, bn, warps), (bdo, close_warps) = kernels.PAIR_BLOCKS, kernels.CLOSE_BLOCKS
+    (bm, bn, warps), (bdo, fb, close_warps) = kernels.PAIR_BLOCKS, kernels.CLOSE_BLOCKS
     forms = [("pair", kernels.pair_kernel, {"WITH_GRAD": grad, "BM": bm, "BN": bn}, warps) for grad in (True, False)]
-    forms.append(("close gradient", kernels.close_gradient_kernel, {"BM": bm, "BN": bn, "BDO": bdo}, close_warps))
+    forms.append(("close gradient", kernels.close_gradient_kernel, {"BM": bm, "BN": bn, "BDO": bdo, "FB": fb},
+                  close_warps))
     rows = []
     for name, kernel, constants, num_warps in forms:
         for power in (0, 1, 2, -1):

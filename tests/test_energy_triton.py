@@ -113,6 +113,20 @@ def test_triton_weighted_non_contiguous_and_no_grad(backend):
 
 
 @pytest.mark.parametrize("backend", FUSED)
+def test_half_input_gradient_scale_does_not_underflow(backend):
+    """The backward's factor dL/dE 2 / (M (M - 1)) is formed in float32: in float16 it underflows (here 1e-5 times
+    2 / (40 * 39) rounds to zero) while the gradient itself, large for a close pair, is a normal float16."""
+    w = close_pair_points(40, 16, "chord 1e-2", seed=11).half()
+    exact = w.double().requires_grad_(True)
+    (1e-5 * E(exact, backend="dense")).backward()
+    half = w.to(DEVICE).requires_grad_(True)
+    (1e-5 * E(half, backend=backend)).backward()
+    rows, got = exact.grad[:2], half.grad[:2].double().cpu()  # the close pair's rows
+    # float16 unit vectors move a chord of 1e-2 by about 1e-3 / 1e-2: a few per cent, against 100 % (zero) before
+    assert float((got - rows).norm() / rows.norm()) < 0.1
+
+
+@pytest.mark.parametrize("backend", FUSED)
 def test_triton_half_input_returns_half(backend):
     w = _w(33, 16, seed=3).to(DEVICE).half().requires_grad_(True)
     value = E(w, backend=backend)

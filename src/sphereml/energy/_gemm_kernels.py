@@ -10,16 +10,18 @@ pairs in each (a 1-D grid: no 65,535 limit on the number of column tiles).
   row into VALS[i, tile] (Tensor[b, tiles]); with ``WITH_GRAD`` also D = df/dg of the far pairs written over G
   in place (the input of the second cuBLAS product, (D Q)_i), their row sums into DSUM[i, tile], and into
   FLAGS[row tile, tile] (Tensor[b / BM, tiles], int32) whether the tile has a close pair.
-* ``close_gradient_kernel``: program = (row tile, BDO-wide slice of the coordinates).  It reads one flag per
-  column tile and, for a flagged tile only, adds sum_j D_ij (q_j - q_i) of its close pairs from explicit
+* ``close_gradient_kernel``: program = (row tile, BDO-wide slice of the coordinates).  It scans the flags of its
+  row tile and, for a flagged tile only, adds sum_j D_ij (q_j - q_i) of its close pairs from explicit
   coordinate differences to GRAD[i, slice] (the rows' gradient, already holding the far pairs' part).
 
 Close pairs (Note [close pairs] in :mod:`~sphereml.energy.kernels`) are decided here by the *exact* r^2.  A tile
 whose Gram estimate puts some pair below twice the threshold (a candidate; the estimate's error is far below
 that margin in every matmul precision) recomputes r^2 of all its pairs from coordinate differences
 (``exact_r2_tile``), and its close pairs are those whose exact r^2 is below ``CLOSE_R2`` (||q_i||^2 + ||q_j||^2) / 2.
-Both kernels apply this rule to the same exactly computed numbers, so they agree on every pair: a close pair
-is left out of the product D Q and enters once, through its explicit difference.  Arithmetic is float32;
+Both kernels apply this rule to numbers computed by the same inlined ``exact_r2_tile`` on the same tile (the same
+sums in the same order, compiled with the same settings), so they agree on every pair: a close pair is left out
+of the product D Q and enters once, through its explicit difference.  The far pairs of a candidate tile take
+the exact r^2 too.  Arithmetic is float32;
 nothing is accumulated across programs (every program writes its own outputs), so the result is deterministic.
 """
 
@@ -35,10 +37,10 @@ __all__ = ["PAIR_BLOCKS", "CLOSE_BLOCKS", "pair_kernel", "close_gradient_kernel"
 # interpreter (several tiles and d-slices in the tests).  On a GPU the pair kernel is bound by memory, so it wants
 # many programs resident per multiprocessor: compiled for sm_90a here (``python -m benchmarks.bench_energy
 # --compile-check``, Triton 3.9, ptxas -v), 32 x 128 tiles with 4 warps took 255 registers (64 x 128 with 8 warps
-# spilled), 16 x 64 with 4 warps 96, 8 x 128 with 4 warps 72 without spills (8 values per thread); the
-# close-gradient kernel 48-52 registers with d-slices of 64.
+# spilled), 16 x 64 with 4 warps 96, 8 x 128 with 4 warps 64-72 without spills (8 values per thread; 32 without the
+# gradient); the close-gradient kernel 56-64 with d-slices of 64 (one pipeline stage each, as launched).
 PAIR_BLOCKS = (16, 32, 4) if interpreting() else (8, 128, 4)
-CLOSE_BLOCKS = (16, 4) if interpreting() else (64, 4)
+CLOSE_BLOCKS = (16, 4, 4) if interpreting() else (64, 512, 4)  # (largest BDO, FB flags scanned at once, warps)
 
 
 @triton.jit
@@ -46,7 +48,7 @@ def _tile(Q, SQ, first, rmask, col0, M, D, stride_q, gram, close_r2, EXACT: tl.c
           BN: tl.constexpr):
     """(r^2, pairs kept, close pairs as int32) of the tile of rows first ... first + BM - 1 (``rmask``: those of the
     block) and columns col0 ... col0 + BN - 1.  ``EXACT``: r^2 from coordinate differences for the whole tile
-    (``gram`` unused); otherwise from ``gram``, with the exact values for a candidate tile (module docstring)."""
+    (``gram`` unused); otherwise from ``gram``, or exactly for a candidate tile (module docstring)."""
     rows = first + tl.arange(0, BM)
     cols = col0 + tl.arange(0, BN)
     cmask = cols < M
@@ -61,13 +63,12 @@ def _tile(Q, SQ, first, rmask, col0, M, D, stride_q, gram, close_r2, EXACT: tl.c
         r2 = norms - 2.0 * gram
         close = tl.zeros((BM, BN), dtype=tl.int32)
         if tl.sum((keep & (r2 < close_r2 * norms)).to(tl.int32)) > 0:  # a candidate: below twice the threshold
-            exact = exact_r2_tile(Q, first, col0, rmask, cmask, D, stride_q, BM, BN)
-            close = (keep & (2.0 * exact < close_r2 * norms)).to(tl.int32)
-            r2 = tl.where(close != 0, exact, r2)
+            r2 = exact_r2_tile(Q, first, col0, rmask, cmask, D, stride_q, BM, BN)  # every pair's, at no extra cost
+            close = (keep & (2.0 * r2 < close_r2 * norms)).to(tl.int32)
     return r2, keep, close
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["row0", "b"])  # one compilation for every block, the ragged last one included
 def pair_kernel(G, Q, SQ, VALS, DSUM, FLAGS, row0, b, M, D, stride_q, stride_g, tiles, s, eps, close_r2,
                 POWER: tl.constexpr, WITH_GRAD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
     """Row sums of f over one tile into VALS; with WITH_GRAD the far pairs' D over G, their row sums into DSUM,
@@ -92,22 +93,30 @@ def pair_kernel(G, Q, SQ, VALS, DSUM, FLAGS, row0, b, M, D, stride_q, stride_g, 
         tl.store(FLAGS + pid, tl.max(close, axis=None))  # pid = row_tile * tiles + col_tile
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["row0", "b"])
 def close_gradient_kernel(Q, SQ, FLAGS, GRAD, row0, b, M, D, stride_q, stride_grad, tiles, s, eps, close_r2,
-                          POWER: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BDO: tl.constexpr):
-    """GRAD[i, slice] += sum_j D_ij (q_j - q_i)[slice] over the close pairs of the flagged tiles of BM rows."""
+                          POWER: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BDO: tl.constexpr,
+                          FB: tl.constexpr):
+    """GRAD[i, slice] += sum_j D_ij (q_j - q_i)[slice] over the close pairs of the flagged tiles of BM rows.
+
+    The flags are scanned FB at a time (one vector load and a maximum), and one by one only in a chunk that
+    holds a flag: at M = 2^20 a row tile has 8,192 column tiles, almost all without a close pair."""
     row_tile, d0 = tl.program_id(0), tl.program_id(1) * BDO
     local = row_tile * BM + tl.arange(0, BM)
     rmask = local < b
     dims = d0 + tl.arange(0, BDO)
     acc = tl.zeros((BM, BDO), dtype=tl.float32)
-    for col_tile in range(0, tiles):
-        if tl.load(FLAGS + row_tile * tiles + col_tile) != 0:
-            col0 = col_tile * BN
-            r2, _, close = _tile(Q, SQ, row0 + row_tile * BM, rmask, col0, M, D, stride_q, 0.0, close_r2, True, BM, BN)
-            _, deriv = riesz(r2, s, eps, POWER)
-            acc = add_close_gradient(acc, tl.where(close != 0, deriv, 0.0), Q, row0 + row_tile * BM, col0, rmask,
-                                     col0 + tl.arange(0, BN) < M, dims, d0, D, stride_q, BM, BN, BDO)
+    flags = FLAGS + tl.cast(row_tile, tl.int64) * tiles
+    for chunk in range(0, tiles, FB):
+        if tl.max(tl.load(flags + chunk + tl.arange(0, FB), mask=chunk + tl.arange(0, FB) < tiles, other=0)) != 0:
+            for col_tile in range(chunk, tl.minimum(chunk + FB, tiles)):
+                if tl.load(flags + col_tile) != 0:
+                    col0 = col_tile * BN
+                    r2, _, close = _tile(Q, SQ, row0 + row_tile * BM, rmask, col0, M, D, stride_q, 0.0, close_r2, True,
+                                         BM, BN)
+                    _, deriv = riesz(r2, s, eps, POWER)
+                    acc = add_close_gradient(acc, tl.where(close != 0, deriv, 0.0), Q, row0 + row_tile * BM, col0,
+                                             rmask, col0 + tl.arange(0, BN) < M, dims, d0, D, stride_q, BM, BN, BDO)
     offsets = tl.cast(local, tl.int64)[:, None] * stride_grad + dims[None, :]
     inside = rmask[:, None] & (dims < D)[None, :]
     tl.store(GRAD + offsets, tl.load(GRAD + offsets, mask=inside, other=0.0) + acc, mask=inside)

@@ -10,20 +10,22 @@ For a block of b rows of the points Q (Tensor[M, d]):
    small kernel adds the close pairs of the flagged tiles from explicit differences (Note [close pairs] in
    :mod:`~sphereml.energy.kernels`).
 
-The gradient is computed in the forward pass, when ``points`` requires one, and kept (Tensor[M, d]) for the
+The gradient is computed in the forward pass, when autograd will ask for one, and kept (Tensor[M, d]) for the
 backward, which only scales it: the work is two Gram-sized products, where a separate backward would form the
 Gram matrix again.  Nothing reads the device on the host (no ``nonzero``, no data-dependent shapes): the blocks,
 tiles and launches follow from the shapes alone.
 
 Note [energy by cuBLAS products]
-    The fused kernels of :mod:`~sphereml.energy.triton_backend` do every product themselves with ``tl.dot``. At
+    The fused kernels of :mod:`~sphereml.energy.triton_backend` do every product themselves with ``tl.dot``.  At
     N = 32,768, d = 512 (TF32) they took 12x the time of three cuBLAS Gram products on an H200
-    (``benchmarks/results/energy_fwd_bwd-cuda.json``): their backward recomputes the Gram tiles d / BDO times,
-    because an accumulator of d = 512 columns for a tile of rows does not fit in registers, and their tiles are
-    small.  Here the products are cuBLAS's, and the pair function costs one kernel that is bound by memory: per
-    ordered pair, G is written (4 bytes), read and overwritten by D (8) and read by the second product (4), 16
-    bytes in all.  Expected time, from those two facts alone: two thirds of three Gram products plus
-    16 N^2 bytes at the memory's bandwidth (17 GB at N = 32,768).  Not yet measured on a GPU; ``python -m
+    (``benchmarks/results/logs/gpu-check-3-h200.txt``), their backward (about 107 ms) far longer than their
+    forward (6 ms).  Why has not been profiled; the kernel's own structure suggests causes: the backward forms
+    the Gram tiles again d / BDO times (an accumulator of all d = 512 columns for a tile of rows would not fit in
+    registers) on small tiles.  Here both products are cuBLAS's, each the size of one Gram product, and the pair
+    kernel between them moves 8 bytes per ordered pair (it reads G and writes D over it; 4 bytes without a
+    gradient), 8.6 GB at N = 32,768.  Expected time from these two facts alone: two thirds of three Gram
+    products plus that traffic at the memory's bandwidth.  At N = 2^20 a block has only 256 rows, and the second
+    product (256 x 2^20 by 2^20 x 512) is a shape cuBLAS runs less well.  Not yet measured on a GPU: ``python -m
     benchmarks energy`` times it beside the fused kernels and the three Gram products.  The price is memory:
     one (b, M) block, ``BLOCK_BUDGET`` numbers, besides O(M d).
 """
@@ -33,12 +35,14 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .._checks import integer
 from .kernels import CLOSE_R2
 from .triton_backend import power_path
 
 __all__ = ["BLOCK_BUDGET", "block_rows", "GemmEnergy", "gemm_energy"]
 
-BLOCK_BUDGET = 2**28  # numbers in one (b, M) Gram block: 1 GiB of float32
+#: Numbers in one (b, M) Gram block: 1 GiB of float32.
+BLOCK_BUDGET = 2**28
 
 
 def block_rows(m: int, budget: int = BLOCK_BUDGET) -> int:
@@ -69,7 +73,7 @@ def _pair_sums(gram: Tensor, q: Tensor, sq: Tensor, start: int, s: float, eps: f
     kernels.pair_kernel[(row_tiles * tiles,)](
         gram, q, sq, values, dsum if with_grad else values, flags if with_grad else values, start, b, m, d,
         q.stride(0), gram.stride(0), tiles, s, eps, CLOSE_R2, POWER=power_path(s), WITH_GRAD=with_grad, BM=bm, BN=bn,
-        num_warps=warps)
+        num_warps=warps, num_stages=1)
     return values, dsum, flags
 
 
@@ -88,10 +92,11 @@ def _close_gradient(rows: Tensor, q: Tensor, sq: Tensor, flags: Tensor, start: i
     triton, kernels = _kernels()
     (m, d), b = q.shape, len(rows)
     bm, bn, _ = kernels.PAIR_BLOCKS
-    bdo, warps = kernels.CLOSE_BLOCKS
+    largest, fb, warps = kernels.CLOSE_BLOCKS
+    bdo = min(largest, max(16, triton.next_power_of_2(d)))  # d-slices no wider than d needs
     kernels.close_gradient_kernel[(triton.cdiv(b, bm), triton.cdiv(d, bdo))](
         q, sq, flags, rows, start, b, m, d, q.stride(0), rows.stride(0), flags.shape[1], s, eps, CLOSE_R2,
-        POWER=power_path(s), BM=bm, BN=bn, BDO=bdo, num_warps=warps)
+        POWER=power_path(s), BM=bm, BN=bn, BDO=bdo, FB=fb, num_warps=warps, num_stages=1)
 
 
 @_close_gradient.register_fake
@@ -119,20 +124,20 @@ def _block(q: Tensor, sq: Tensor, start: int, stop: int, buffer: Tensor, s: floa
 
 
 class GemmEnergy(torch.autograd.Function):
-    """``GemmEnergy.apply(points, s, eps, block)``: the Euclidean pair-mean energy of ``points`` (Tensor[M, d]) by
-    cuBLAS products and the Triton pair kernels (float32 arithmetic); ``block``: rows per Gram block."""
+    """``GemmEnergy.apply(points, s, eps, block, with_grad)``: the Euclidean pair-mean energy of ``points``
+    (Tensor[M, d]) by cuBLAS products and the Triton pair kernels (float32 arithmetic); ``block``: rows per Gram
+    block; ``with_grad``: form the gradient in the forward pass (:func:`gemm_energy` decides)."""
 
     @staticmethod
-    def forward(ctx, points: Tensor, s: float, eps: float, block: int | None) -> Tensor:
+    def forward(ctx, points: Tensor, s: float, eps: float, block: int, with_grad: bool) -> Tensor:
         q = points.detach().float().contiguous()  # (M, d)
         m = len(q)
         sq = (q * q).sum(1)  # (M,)
-        rows = block or block_rows(m)
-        buffer = q.new_empty(min(rows, m), m)
-        grad = torch.empty_like(q) if ctx.needs_input_grad[0] else None
+        buffer = q.new_empty(min(block, m), m)
+        grad = torch.empty_like(q) if with_grad else None
         total = torch.zeros((), dtype=torch.float64, device=q.device)
-        for start in range(0, m, rows):
-            total += _block(q, sq, start, min(start + rows, m), buffer, s, eps, grad)
+        for start in range(0, m, block):
+            total += _block(q, sq, start, min(start + block, m), buffer, s, eps, grad)
         if grad is not None:
             ctx.save_for_backward(grad)
         ctx.scale, ctx.dtype = 2.0 / (m * (m - 1)), points.dtype
@@ -142,10 +147,16 @@ class GemmEnergy(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_output: Tensor):
         (grad,) = ctx.saved_tensors
-        return (grad * (grad_output * ctx.scale)).to(ctx.dtype), None, None, None
+        # the factor in float32: 2 / (M (M - 1)) is below float16's smallest number from M = 5,800 on
+        return (grad * (grad_output.float() * ctx.scale)).to(ctx.dtype), None, None, None, None
 
 
 def gemm_energy(points: Tensor, s: float, eps: float, block: int | None = None) -> Tensor:
-    """Pair-mean Euclidean energy of ``points`` (Tensor[M, d], float32 or half), two cuBLAS products per block of
-    ``block`` rows (default :func:`block_rows`) with the Triton pair kernels between them."""
-    return GemmEnergy.apply(points, s, eps, block)
+    """Pair-mean Euclidean energy of ``points`` (Tensor[M >= 2, d], float32 or half), two cuBLAS products per block
+    of ``block`` rows (default :func:`block_rows`) with the Triton pair kernels between them.  The gradient is
+    formed in the forward pass only when autograd will ask for it (``points`` requires it, grad mode on)."""
+    if not isinstance(points, Tensor) or points.dim() != 2 or len(points) < 2:
+        raise ValueError(f"points must be a Tensor[M >= 2, d], got {getattr(points, 'shape', points)!r}")
+    block = block_rows(len(points)) if block is None else integer("block", block, at_least=1)
+    with_grad = torch.is_grad_enabled() and points.requires_grad
+    return GemmEnergy.apply(points, s, eps, block, with_grad)

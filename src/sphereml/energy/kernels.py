@@ -50,7 +50,9 @@ Note [close pairs]
     degrees; on S^2 about 1.25 % of pairs do), so recomputing them costs little.  ``dense``
     and ``tiled`` gather the close pairs with ``nonzero`` (one device synchronisation per
     call, or per block, on CUDA); the Triton kernels take a slow path only in tiles that
-    contain one, without leaving the device.  For the angular metric the close pair's angle
+    contain one, without leaving the device.  ``gemm`` (:mod:`~sphereml.energy.gemm_backend`) flags the
+    tiles whose Gram estimate has a pair below twice the threshold and there decides by the exact r^2,
+    which two of its kernels must agree on.  For the angular metric the close pair's angle
     is theta = 2 arcsin(r / 2) (equal to arccos(g) on the sphere) and its floor is
     r^2 >= eps, the same as abs(cos) <= 1 - eps/2.  Antipodal pairs (cos near -1, e.g. w and
     -w in the half-space angular energy) are not treated: the symmetric clamp caps their angle

@@ -67,8 +67,9 @@ class _ShardedEnergy(torch.autograd.Function):
         ranges, s, metric, eps, block = ctx.params
         m = len(points)
         sq = (points * points).sum(1)
-        scale = grad_output * 2.0 / (m * (m - 1))
-        grads = [block_gradient(points, sq, start, stop, s, metric, eps) * scale
+        # at least float32: in float16 the factor 2 / (M (M - 1)) underflows from M = 5,800 on
+        scale = grad_output.to(torch.promote_types(grad_output.dtype, torch.float32)) * (2.0 / (m * (m - 1)))
+        grads = [(block_gradient(points, sq, start, stop, s, metric, eps).to(scale.dtype) * scale).to(points.dtype)
                  for start, stop in _blocks(ranges, block)]
         grad = torch.cat(grads) if grads else points[:0].clone()  # a rank may hold no rows
         return grad, None, None, None, None, None, None

@@ -134,11 +134,12 @@ class TiledEnergy(torch.autograd.Function):
         s, metric, eps, block = ctx.params
         m = len(points)
         sq = (points * points).sum(1)
-        scale = grad_output * 2.0 / (m * (m - 1))
+        # at least float32: in float16 the factor 2 / (M (M - 1)) underflows from M = 5,800 on
+        scale = grad_output.to(torch.promote_types(grad_output.dtype, torch.float32)) * (2.0 / (m * (m - 1)))
         grad = torch.empty_like(points)
         for start in range(0, m, block):
             stop = min(start + block, m)
-            grad[start:stop] = block_gradient(points, sq, start, stop, s, metric, eps) * scale
+            grad[start:stop] = block_gradient(points, sq, start, stop, s, metric, eps).to(scale.dtype) * scale
         return grad, None, None, None, None
 
 

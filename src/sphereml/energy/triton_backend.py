@@ -170,7 +170,7 @@ class TritonEnergy(torch.autograd.Function):
         sq = (q * q).sum(1)
         grad = _launch("backward", q, sq, s, eps, precision)
         m = len(q)
-        scale = grad_output * (2.0 / (m * (m - 1)))
+        scale = grad_output.float() * (2.0 / (m * (m - 1)))  # float32: the factor underflows float16
         return (grad * scale).to(points.dtype), None, None
 
 
