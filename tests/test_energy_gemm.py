@@ -35,9 +35,10 @@ def _unit(n, d, seed=0):
     return normalize(torch.randn(n, d, generator=torch.Generator().manual_seed(seed), dtype=torch.float64))
 
 
-def _value_and_grad(points, s, block=None):
+def _value_and_grad(points, s, block=None, dense=False):
+    """(value, gradient) in float64 on the CPU, of gemm in blocks of ``block`` rows (or of dense)."""
     x = points.detach().clone().requires_grad_(True)
-    value = dense_energy(x, s, "euclidean", 1e-7) if block == "dense" else gemm_energy(x, s, 1e-7, block)
+    value = dense_energy(x, s, "euclidean", 1e-7) if dense else gemm_energy(x, s, 1e-7, block)
     value.backward()
     return value.detach().double().cpu(), x.grad.double().cpu()
 
@@ -45,7 +46,7 @@ def _value_and_grad(points, s, block=None):
 def _close_to_dense(points32, s, block, rtol=1e-5):
     """Value, and every row's gradient, within ``rtol`` (10 rtol for a gradient row) of float64 dense: rows of
     far pairs only are held to their own size, not to the close pairs' far larger gradients."""
-    exact_value, exact_grad = _value_and_grad(points32.double().cpu(), s, "dense")
+    exact_value, exact_grad = _value_and_grad(points32.double().cpu(), s, dense=True)
     value, grad = _value_and_grad(points32.to(DEVICE), s, block)
     torch.testing.assert_close(value, exact_value, rtol=rtol, atol=0)
     row_error = (grad - exact_grad).norm(dim=1) / exact_grad.norm(dim=1)

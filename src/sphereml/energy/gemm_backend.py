@@ -79,7 +79,7 @@ def _pair_sums(gram: Tensor, q: Tensor, sq: Tensor, start: int, s: float, eps: f
 
 @_pair_sums.register_fake
 def _(gram, q, sq, start, s, eps, with_grad):
-    bm, bn = _blocks()
+    bm, bn, _ = _kernels()[1].PAIR_BLOCKS
     b, tiles = len(gram), -(-len(q) // bn)
     return (q.new_empty(b, tiles), q.new_empty(b, tiles if with_grad else 0),
             q.new_empty(-(-b // bm), tiles if with_grad else 0, dtype=torch.int32))
@@ -102,11 +102,6 @@ def _close_gradient(rows: Tensor, q: Tensor, sq: Tensor, flags: Tensor, start: i
 @_close_gradient.register_fake
 def _(rows, q, sq, flags, start, s, eps):
     return None
-
-
-def _blocks() -> tuple[int, int]:
-    """(BM, BN) of the pair kernels' tiles (:data:`sphereml.energy._gemm_kernels.PAIR_BLOCKS`)."""
-    return _kernels()[1].PAIR_BLOCKS[:2]
 
 
 def _block(q: Tensor, sq: Tensor, start: int, stop: int, buffer: Tensor, s: float, eps: float,
