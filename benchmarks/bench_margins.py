@@ -8,10 +8,12 @@ On CUDA the kernels of ArcFace at the large size are listed from the PyTorch pro
 time) and saved beside the timings, to show where a head's time goes.  ``SPHEREML_BENCH_COMPILE=0`` skips
 the compiled candidates (their compilation takes most of the run's time).
 
-The heads take the reference path (the default: autograd over the B x C logits); on CUDA ArcFace and
-L-Softmax also run with ``backend="fused"`` (the fused cross-entropy of :mod:`sphereml.heads.margin_ce`, Triton).
-Result files of 2026-11-27 were measured when the heads took the fused path on CUDA: there the plain rows
-are fused and the "(reference)" rows the reference (their ``note`` says so).
+The heads take the reference path (the default: autograd over the B x C logits); on CUDA the four heads of
+``FUSED_ROWS`` also run with ``backend="fused"`` (:func:`sphereml.heads.margin_ce.label_split`, Triton).  Beside
+each time: the aten operations of one step and, in brackets, those that touch a B x C or C x d tensor (on this
+CPU at B=256, C=10,000: 8 for the baseline, 24 for every head's reference path, 8 for the fused path).
+Result files of 2026-11-27 were measured when the heads took an earlier fused path on CUDA: there the plain
+rows are fused and the "(reference)" rows the reference (their ``note`` says so).
 :func:`compile_check` compiles the fused kernels for sm_90 on a machine without a GPU.
 """
 
@@ -26,6 +28,7 @@ from sphereml.heads.margins import ArcFaceLoss, ASoftmaxLoss, CosFaceLoss, Lambd
 from .harness import compare, compiling, save, smoke_or
 
 SIZES = [(256, 512, 10_000), (512, 512, 100_000)]  # (batch, in_features, classes); the second on CUDA only
+FUSED_ROWS = ("A-Softmax m=4 (annealed)", "L-Softmax m=4", "CosFace", "ArcFace")  # also timed fused on CUDA
 
 
 def _heads(d: int, c: int) -> dict:
@@ -80,7 +83,7 @@ def run(device: torch.device) -> dict:
         for label, head in _heads(d, c).items():
             head.to(device)
             candidates[label] = lambda h=head: step(lambda: h.loss(x, y))
-            if device.type == "cuda" and label in ("ArcFace", "L-Softmax m=4"):
+            if device.type == "cuda" and label in FUSED_ROWS:
                 fused = _heads(d, c)[label].to(device)
                 fused.backend = "fused"
                 candidates[f"{label} (fused)"] = lambda h=fused: step(lambda: h.loss(x, y))
@@ -90,7 +93,8 @@ def run(device: torch.device) -> dict:
         name = "margin_heads_fwd_bwd" if (b, d, c) == SIZES[0] else f"margin_heads_fwd_bwd_b{b}_c{c}"
         print(f"--- margin heads, B={b}, d={d}, C={c}")
         results[name] = compare(name, candidates, baseline="nn.Linear + cross_entropy", device=device, repeats=25,
-                                extra={"batch": b, "in_features": d, "num_classes": c, "compiled": compile_heads})
+                                extra={"batch": b, "in_features": d, "num_classes": c, "compiled": compile_heads},
+                                count=True, large=min(b * c, c * d))
     if device.type == "cuda":
         b, d, c = SIZES[1]
         x, y = _inputs(b, d, c, device)
@@ -102,24 +106,35 @@ def run(device: torch.device) -> dict:
 
 
 def compile_check(arch: int = 90) -> list[dict]:
-    """Compile the fused cross-entropy kernels (float32 and bf16 products, with and without the weight
+    """Compile the fused cross-entropy's kernels (float32 and bf16 products, with and without the weight
     norms) for ``sm_<arch>`` on the CPU and print registers and spills.  Must run without TRITON_INTERPRET."""
     from sphereml.heads import _margin_kernels as kernels
 
     from .sm90 import compile_kernel
 
-    types = {"RAW": "*fp32", "INV": "*fp32", "LABELS": "*i64", "MAX_OUT": "*fp32", "SUM_OUT": "*fp32",
-             "LSE": "*fp32", "SCALE": "*fp32", "GRAD_OUT": "*fp32", "COLSUM_OUT": "*fp32", "B": "i32", "C": "i32",
-             "stride": "i32", "chunk": "i32", "n_chunks": "i32"}
+    types = {"W": "*fp32", "NORM_OUT": "*fp32", "RAW": "*fp32", "INV": "*fp32", "LABELS": "*i64", "MAX_OUT": "*fp32",
+             "SUM_OUT": "*fp32", "RAWY_OUT": "*fp32", "LOGITS_OUT": "*fp32", "MAX_IN": "*fp32", "SUM_IN": "*fp32",
+             "LSE_OUT": "*fp32", "LSE": "*fp32", "ROW_SCALE": "*fp32", "LABEL_GRAD": "*fp32", "GRAD_OUT": "*fp32",
+             "COLSUM_OUT": "*fp32", "B": "i32", "C": "i32", "d": "i32", "stride": "i32", "chunk": "i32",
+             "n_chunks": "i32"}
+    cases = [("norm", kernels.norm_kernel, kernels.NORM_BLOCKS, dtype, {"W": f"*{dtype}"}, {}, ("BR", "BD"))
+             for dtype in ("fp32", "bf16")]
+    for dtype in ("fp32", "bf16"):
+        for has_inv in (True, False):
+            logits = "*fp32" if has_inv else f"*{dtype}"  # the logits keep the product's dtype without norms
+            cases.append(("lse", kernels.lse_kernel, kernels.LSE_BLOCKS, dtype,
+                          {"RAW": f"*{dtype}", "LOGITS_OUT": logits}, {"HAS_INV": has_inv, "WRITE_LOGITS": True},
+                          ("BM", "BN")))
+            cases.append(("grad", kernels.grad_kernel, kernels.GRAD_BLOCKS, dtype,
+                          {"RAW": f"*{dtype}", "GRAD_OUT": f"*{dtype}"}, {"HAS_INV": has_inv, "HAS_LABEL_GRAD": True},
+                          ("BM", "BN")))
+    cases.append(("combine", kernels.combine_kernel, kernels.COMBINE_BLOCKS, "fp32", {}, {}, ("BM", "BK")))
     rows = []
-    for name, kernel, (bm, bn, warps) in (("lse", kernels.lse_kernel, kernels.LSE_BLOCKS),
-                                          ("grad", kernels.grad_kernel, kernels.GRAD_BLOCKS)):
-        for dtype in ("fp32", "bf16"):
-            for has_inv in (True, False):
-                row = {"kernel": name, "dtype": dtype, "has_inv": has_inv, **compile_kernel(
-                    kernel, {**types, "RAW": f"*{dtype}", "GRAD_OUT": f"*{dtype}"},
-                    {"HAS_INV": has_inv, "BM": bm, "BN": bn}, warps, 2, arch)}
-                rows.append(row)
-                print(f"compile sm_{arch} {name:4s} {dtype} has_inv={has_inv!s:5s} registers {row['registers']}, "
-                      f"spill stores {row['spill_store_bytes']} B", flush=True)
+    for name, kernel, (rows_block, cols_block, warps), dtype, typed, flags, block_names in cases:
+        constants = {**flags, block_names[0]: rows_block, block_names[1]: cols_block}
+        row = {"kernel": name, "dtype": dtype, "has_inv": flags.get("HAS_INV"),
+               **compile_kernel(kernel, {**types, **typed}, constants, warps, 2, arch)}
+        rows.append(row)
+        print(f"compile sm_{arch} {name:7s} {dtype} has_inv={row['has_inv']!s:5s} registers {row['registers']}, "
+              f"spill stores {row['spill_store_bytes']} B", flush=True)
     return rows

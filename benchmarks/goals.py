@@ -49,6 +49,10 @@ GOALS = (
       for head in ("A-Softmax m=4 (annealed)", "L-Softmax m=4", "CosFace", "ArcFace")),
     *(Goal(29, f"{head}, B=256, C=10,000", "margin_heads_fwd_bwd", head, 1.5)
       for head in ("A-Softmax m=4 (annealed)", "L-Softmax m=4", "CosFace", "ArcFace")),
+    *(Goal(29, f"{head} fused, B=512, C=100,000", "margin_heads_fwd_bwd_b512_c100000", f"{head} (fused)", 1.1)
+      for head in ("A-Softmax m=4 (annealed)", "L-Softmax m=4", "CosFace", "ArcFace")),
+    *(Goal(29, f"{head} fused, B=256, C=10,000", "margin_heads_fwd_bwd", f"{head} (fused)", 1.5)
+      for head in ("A-Softmax m=4 (annealed)", "L-Softmax m=4", "CosFace", "ArcFace")),
     *(Goal(27, f"CNN-9 step with {reg}", "comhe_train_step_cnn9_b128", reg, 1.1)
       for reg in ("HS-MHE", "RP-CoMHE", "RP-CoMHE (max)", "AP-CoMHE (unrolled)", "G-CoMHE")),
     Goal(27, "CNN-6 step with OPT gs", "opt_train_step_cnn6_w64_b128", "gs", 1.3),

@@ -40,10 +40,12 @@ def save(result: dict, name: str, device: torch.device) -> Path:
 
 
 def compare(name: str, candidates: dict[str, Callable[[], object]], baseline: str, device: torch.device,
-            repeats: int = 10, extra: dict | None = None, count: bool = False) -> dict:
+            repeats: int = 10, extra: dict | None = None, count: bool = False, large: int = 0) -> dict:
     """Time every candidate in one interleaved run, print each one's ratio to ``baseline`` and its peak memory
     (:func:`sphereml.timing.peak_memory`, one more warm call each), and save JSON.  ``count``: also the aten
-    operations of one call (:func:`sphereml.launches.count_ops`, about one kernel launch each on a GPU)."""
+    operations of one call (:func:`sphereml.launches.count_ops`, about one kernel launch each on a GPU);
+    ``large`` (with ``count``): also those that touch a tensor of at least that many elements (the passes over
+    memory that set a large layer's time)."""
     timing = compare_round_robin(candidates, baseline, device, repeats=smoke_or(repeats, 1))
     memory = {label: peak_memory(fn, device) for label, fn in candidates.items()}  # one more call each, warm
     result = {"benchmark": name, "seconds": timing.seconds, "ratio_to_" + baseline: timing.ratios,
@@ -51,9 +53,14 @@ def compare(name: str, candidates: dict[str, Callable[[], object]], baseline: st
     if count:  # compiled candidates run kernels of their own: counted as eager only
         result["ops_per_call"] = {label: count_ops(fn).total for label, fn in candidates.items()
                                   if "compiled" not in label}
+        if large:
+            result["large_ops_per_call"] = {label: count_ops(fn, touching=large).total
+                                            for label, fn in candidates.items() if "compiled" not in label}
     for line, label in zip(timing.table().splitlines(), timing.seconds):
         shown = "peak memory n/a" if memory[label] is None else f"peak memory {memory[label] / 2**20:8.1f} MiB"
         ops = f"   {result['ops_per_call'][label]:6d} ops" if label in result.get("ops_per_call", {}) else ""
+        if label in result.get("large_ops_per_call", {}):
+            ops += f" ({result['large_ops_per_call'][label]} large)"
         print(f"{name:30s} {line}   {shown}{ops}")
     save(result, name, device)
     return result

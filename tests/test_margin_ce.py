@@ -7,6 +7,7 @@ Triton is imported, as in ``test_energy_triton.py``).  Float32 tolerances: 1e-5 
 """
 
 import os
+from collections import Counter
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ if not torch.cuda.is_available():
 from conftest import sm90_compile_rows  # noqa: E402
 
 from sphereml import launches  # noqa: E402
+from sphereml.geometry import safe_norm  # noqa: E402
 from sphereml.heads import margins  # noqa: E402
 from sphereml.heads.margin_ce import margin_cross_entropy  # noqa: E402
 
@@ -94,31 +96,99 @@ def test_ga_softmax_keeps_the_reference_path():
 @pytest.mark.parametrize("has_inv", [True, False])
 @pytest.mark.parametrize("b,c,dtype", [(37, 300, torch.float32), (64, 1000, torch.float32), (5, 70, torch.bfloat16)])
 def test_kernel_passes_match_float64(b, c, dtype, has_inv):
-    """The two passes on float32 / bf16 tensors (Triton here) against the same passes in float64 (PyTorch).
+    """The passes on float32 / bf16 tensors (Triton here) against the same passes in float64 (PyTorch).
 
     Ragged row and column tiles, several column chunks, labels in the first and last columns, logits up
-    to +-40 (a scaled head) and the loss scale as a device tensor."""
+    to +-40 (a scaled head), a loss scale per row and a gradient for the label column, both device tensors."""
     g = torch.Generator().manual_seed(b)
     raw = (torch.randn(b, c, generator=g) * 10).to(dtype)
     inv = (torch.rand(c, generator=g) + 0.5) if has_inv else torch.empty(0)
     _, labels = _inputs(b, 1, c, seed=b)
     labels = torch.stack([labels, labels], 1)[:, 0]  # stride 2: the launchers make it contiguous
-    target = torch.randn(b, generator=g) * 3
-    scale = torch.tensor([0.37])
+    row_scale, label_grad = torch.rand(b, generator=g), torch.randn(b, generator=g)
     ops = torch.ops.sphereml
-    lse64 = ops.margin_ce_lse(raw.double(), inv.double(), labels, target.double(), has_inv)
-    g64, col64 = ops.margin_ce_grad(raw.double(), inv.double(), labels, lse64, scale.double(), has_inv)
+    rest64, raw_y64, logits64 = ops.margin_ce_lse(raw.double(), inv.double(), labels, has_inv, True)
+    g64, col64 = ops.margin_ce_grad(raw.double(), inv.double(), labels, rest64, row_scale.double(),
+                                    label_grad.double(), has_inv, True)
     on = {"device": DEVICE}
-    lse = ops.margin_ce_lse(raw.to(**on), inv.to(**on), labels.to(**on), target.to(**on), has_inv)
-    grad, col = ops.margin_ce_grad(raw.to(**on), inv.to(**on), labels.to(**on), lse64.float().to(**on),
-                                   scale.to(**on), has_inv)
-    assert lse.dtype == torch.float32 and grad.dtype == dtype
-    torch.testing.assert_close(lse.double().cpu(), lse64, rtol=1e-5, atol=1e-5)
+    rest, raw_y, logits = ops.margin_ce_lse(raw.to(**on), inv.to(**on), labels.to(**on), has_inv, True)
+    grad, col = ops.margin_ce_grad(raw.to(**on), inv.to(**on), labels.to(**on), rest64.float().to(**on),
+                                   row_scale.to(**on), label_grad.to(**on), has_inv, True)
+    assert rest.dtype == raw_y.dtype == torch.float32 and grad.dtype == dtype
+    assert logits.dtype == (torch.float32 if has_inv else dtype)
+    torch.testing.assert_close(rest.double().cpu(), rest64, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(raw_y.double().cpu(), raw_y64, rtol=0, atol=0)  # a copy of one entry per row
+    torch.testing.assert_close(logits.double().cpu(), logits64, rtol=2e-7 if has_inv else 0, atol=0)
     tol = 2 ** -7 if dtype == torch.bfloat16 else 2e-5  # bf16: one unit in the last place (the interpreter truncates)
     torch.testing.assert_close(grad.double().cpu(), g64, rtol=0, atol=tol * float(g64.abs().max()))
     assert col.shape == col64.shape
     if has_inv:
         torch.testing.assert_close(col.double().cpu(), col64, rtol=0, atol=2e-5 * float(col64.abs().max()))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_norm_pass_neither_overflows_nor_underflows(dtype):
+    """||W_j|| in one pass (float64 squares): rows of 1e30 and 1e-30 (float32 squares give inf and 0), a zero
+    row, a row of float32 subnormals, ragged numbers of rows and columns, against safe_norm in float64."""
+    weight = torch.randn(11, 70, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    weight[1] *= 1e30
+    weight[2] *= 1e-30
+    weight[3] = 0.0
+    weight[4] = 3e-39 if dtype == torch.float32 else 1e-37  # subnormal float32 entries (the interpreter's bfloat16
+    # loses its subnormals), a normal norm
+    weight = weight.to(dtype)
+    norms = torch.ops.sphereml.margin_ce_norms(weight.to(DEVICE))
+    assert norms.dtype == torch.float32
+    expected = safe_norm(weight.double(), dim=1)
+    torch.testing.assert_close(norms.double().cpu(), expected, rtol=2e-7, atol=0)
+
+
+def test_single_class_gives_zero_loss_and_matches_the_reference():
+    """C = 1: no column besides the label, so the rest's log-sum-exp is -inf and the loss 0, as on the reference."""
+    head = margins.ArcFaceLoss(4, 1).double()
+    x, labels = _inputs(5, 4, 1)
+    for a, b in zip(_loss_and_grads(head, x, labels, "reference"), _loss_and_grads(head, x, labels, "fused")):
+        assert torch.isfinite(b).all()
+        torch.testing.assert_close(b, a, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("name", FUSABLE)
+def test_fused_head_passes_over_w_as_often_as_nn_linear_plus_two(name):
+    """Operations that touch a C x d tensor (C x d above B x C here): the three products and the gradient's
+    accumulation, as for nn.Linear + cross_entropy, plus the norm pass and the norm term of dL/dW.  No row of W
+    is gathered, so no C x d zeros and no second C x d gradient to add (the reference path: 16 or more)."""
+    b, d, c = 4, 64, 300
+    head = FUSABLE[name](d, c).double()
+    x, labels = _inputs(b, d, c)
+    linear = torch.nn.Linear(d, c, bias=False).double()
+
+    def step(loss):
+        return lambda: loss(x.clone().requires_grad_(True), labels).backward()
+
+    counts = {}
+    for backend in ("reference", "fused"):
+        head.backend = backend
+        step(lambda a, y: head.loss_and_logits(a, y)[0])()  # the weight's gradient exists, as in training
+        counts[backend] = launches.count_ops(step(lambda a, y: head.loss_and_logits(a, y)[0]), touching=c * d)
+    step(lambda a, y: torch.nn.functional.cross_entropy(linear(a), y))()
+    baseline = launches.count_ops(step(lambda a, y: torch.nn.functional.cross_entropy(linear(a), y)), touching=c * d)
+    assert counts["fused"].by_op == baseline.by_op + Counter({"sphereml::margin_ce_norms": 1, "aten::addcmul_": 1})
+    assert counts["reference"].total >= baseline.total + 5
+
+
+def test_custom_operators_pass_opcheck():
+    """Schemas, fake tensors and dispatch of the three operators (torch.library.opcheck), on float32 tensors."""
+    g = torch.Generator().manual_seed(5)
+    raw, inv = torch.randn(9, 40, generator=g).to(DEVICE), (torch.rand(40, generator=g) + 0.5).to(DEVICE)
+    labels = torch.randint(40, (9,), generator=g).to(DEVICE)
+    ops = torch.ops.sphereml
+    torch.library.opcheck(ops.margin_ce_norms, (torch.randn(40, 7, generator=g).to(DEVICE),))
+    for has_inv, write_logits in ((True, True), (False, False)):
+        args = (raw, inv if has_inv else inv[:0], labels, has_inv, write_logits)
+        torch.library.opcheck(ops.margin_ce_lse, args)
+        rest = ops.margin_ce_lse(*args)[0]
+        scales = torch.rand(9, generator=g).to(DEVICE), torch.randn(9, generator=g).to(DEVICE)
+        torch.library.opcheck(ops.margin_ce_grad, (*args[:3], rest, *scales, has_inv, True))
 
 
 @pytest.mark.parametrize("name", ["ArcFace", "L-Softmax m=3", "A-Softmax m=4 annealed"])
@@ -201,10 +271,10 @@ def test_auto_is_the_reference_on_the_cpu():
 
 
 def test_kernels_compile_for_sm90_without_spills():
-    """Both kernels, float32 and bf16 products, with and without weight norms, compiled for an H100 here
+    """The four kernels, float32 and bf16 products, with and without weight norms, compiled for an H100 here
     (``benchmarks/sm90.py``; in a subprocess, as the kernels of this process are interpreted)."""
     rows = sm90_compile_rows("bench_margins")
-    assert len(rows) == 8
+    assert len(rows) == 11
     for row in rows:
         assert row["spill_store_bytes"] in (0, None), row
         assert row["registers"] is None or row["registers"] <= 255, row

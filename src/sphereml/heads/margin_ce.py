@@ -8,20 +8,27 @@ generalised softmax):
 
     L = mean_b [ log( exp(t_b) + sum_{j != y_b} exp(z_bj) ) - t_b ].
 
-Only B values change, so the head computes t_b itself in O(B d) from the label rows of W, and
-:func:`margin_cross_entropy` does the rest.  Two backends:
+Only B values change, so the head computes t_b itself (O(B) work), and :func:`margin_cross_entropy`
+(or, for the fused heads, :func:`label_split`) does the rest.  Two backends:
 
 * ``"reference"``: autograd over readable steps (the product with :class:`WeightNormalizedLinear`,
   ``scatter`` of the targets, ``F.cross_entropy``); the oracle of the tests.
-* ``"fused"``: one product x W^T and two passes over it.  The forward streams the B x C product once
-  for the row log-sum-exp (label column left out, t_b added in O(B)); the backward reads it once and
-  writes the gradient of the product, p_bj inv_j / B (softmax p, zero on the label column), with the
-  column sums of that gradient times the product in the same pass (the norm term of dL/dW).  Then
-  dL/dx = g' W and dL/dW = g'^T x - W_j inv_j^2 sum_b g'_bj (x_b . W_j), and dL/dt_b = (p_b,y - 1) / B.
+* ``"fused"``: one product x W^T, one pass over W and one over the product each way.  With
+  rest_b = log sum_{j != y_b} exp(z_bj), the loss is mean_b [logaddexp(t_b, rest_b) - t_b], so the B x C work
+  splits from the head's O(B) work: :func:`label_split` returns rest_b, the label logit z_b,y_b and (for
+  L-Softmax) ||W_y_b||, each differentiable, and the head computes t_b from them with autograd over B values.
+  Its forward takes ||W_j|| in one pass (squares in float64) and streams the product once for rest_b, the
+  label logit and, when asked, the logits; its backward reads the product once and writes the gradient of
+  the product, g'_bj = dL/drest_b p_bj inv_j (p the softmax over the columns j != y_b) and
+  g'_b,y_b = dL/dz_b,y_b inv_y_b, with the column sums of g' times the product in the same pass.  Then
+  dL/dx = g' W and dL/dW = g'^T x - W_j (inv_j^2 sum_b g'_bj (x_b . W_j) - n_j / ||W_j||), n_j the gradients of
+  the label norms of class j: one in-place pass over dL/dW.  No row of W is gathered, so dL/dW takes no C x d
+  zeros and no second C x d gradient: the step passes over C x d tensors as often as ``nn.Linear`` +
+  ``cross_entropy`` but for the norm pass and that in-place update.
   The passes are Triton kernels (:mod:`sphereml.heads._margin_kernels`) on CUDA tensors, and on CPU tensors
-  under ``TRITON_INTERPRET=1``; elsewhere the same two passes run as PyTorch operations.  Both are
-  custom operators (``torch.ops.sphereml.margin_ce_lse`` / ``margin_ce_grad``), so the fused loss
-  traces under ``torch.compile(fullgraph=True)``.  The loss scale stays a device tensor (no host copy).
+  under ``TRITON_INTERPRET=1``; elsewhere the same passes run as PyTorch operations.  All are custom
+  operators (``torch.ops.sphereml.margin_ce_norms`` / ``margin_ce_lse`` / ``margin_ce_grad``), so the fused
+  loss traces under ``torch.compile(fullgraph=True)``.  Loss scales stay device tensors (no host copy).
 
 ``"auto"`` takes ``"reference"``, or ``"fused"`` on CUDA tensors with Triton installed where
 ``SPHEREML_FUSED=1`` (:func:`~sphereml.energy.triton_backend.choose_backend` gives the measurements).
@@ -36,7 +43,8 @@ from torch import Tensor
 from ..energy.triton_backend import choose_backend, usable_on
 from ..geometry import safe_norm
 
-__all__ = ["WeightNormalizedLinear", "weight_normalized_linear", "margin_cross_entropy"]
+__all__ = ["WeightNormalizedLinear", "weight_normalized_linear", "margin_cross_entropy", "label_split",
+           "loss_from_rest"]
 
 
 class WeightNormalizedLinear(torch.autograd.Function):
@@ -85,7 +93,7 @@ def weight_normalized_linear(x: Tensor, weight: Tensor, eps: float = 1e-12) -> T
     return WeightNormalizedLinear.apply(x, weight, eps)[0]
 
 
-# --- the two passes as custom operators: Triton kernels where usable, PyTorch operations otherwise ---
+# --- the passes as custom operators: Triton kernels where usable, PyTorch operations otherwise ---
 
 def _accumulation_dtype(raw: Tensor) -> torch.dtype:
     """float64 for float64 products (gradcheck), float32 for every other dtype (the kernels' arithmetic)."""
@@ -101,29 +109,56 @@ def _masked_logits(raw: Tensor, inv: Tensor, has_inv: bool) -> Tensor:
     return z * inv if has_inv else z
 
 
+def _logits_dtype(raw: Tensor, has_inv: bool) -> torch.dtype:
+    """The margin-free logits' dtype, as on the reference path: scaled by inv (float32) or the product's own."""
+    return _accumulation_dtype(raw) if has_inv else raw.dtype
+
+
+@torch.library.custom_op("sphereml::margin_ce_norms", mutates_args=())
+def _norms(weight: Tensor) -> Tensor:
+    """||W_j|| for every row: Tensor[C], float32 (float64 for float64), one pass over W on the kernels."""
+    if _on_kernels(weight):
+        return _triton_norms(weight)
+    return safe_norm(weight.to(_accumulation_dtype(weight)), dim=1)
+
+
+@_norms.register_fake
+def _(weight):
+    return weight.new_empty(weight.shape[0], dtype=_accumulation_dtype(weight))
+
+
 @torch.library.custom_op("sphereml::margin_ce_lse", mutates_args=())
-def _lse(raw: Tensor, inv: Tensor, labels: Tensor, target: Tensor, has_inv: bool) -> Tensor:
-    """log(exp(t_b) + sum_{j != y_b} exp(z_bj)) for every row b: Tensor[B], float32 (float64 for float64)."""
+def _lse(raw: Tensor, inv: Tensor, labels: Tensor, has_inv: bool,
+         write_logits: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """(log sum_{j != y_b} exp(z_bj) for every row b: Tensor[B], float32 (float64 for float64); the label
+    column of the product, raw_b,y_b: Tensor[B], as lse; the logits z with ``write_logits``, else empty)."""
     if _on_kernels(raw):
-        return _triton_lse(raw, inv, labels, target, has_inv)
+        return _triton_lse(raw, inv, labels, has_inv, write_logits)
     z = _masked_logits(raw, inv, has_inv)
-    z = z.scatter(1, labels[:, None], target.to(z.dtype)[:, None])
-    return torch.logsumexp(z, dim=1)
+    rest = torch.logsumexp(z.scatter(1, labels[:, None], float("-inf")), dim=1)
+    raw_y = raw.gather(1, labels[:, None])[:, 0].to(z.dtype)
+    logits = z.to(_logits_dtype(raw, has_inv), copy=True) if write_logits else raw.new_empty(0)
+    return rest, raw_y, logits
 
 
 @_lse.register_fake
-def _(raw, inv, labels, target, has_inv):
-    return raw.new_empty(raw.shape[0], dtype=_accumulation_dtype(raw))
+def _(raw, inv, labels, has_inv, write_logits):
+    rows = raw.new_empty(raw.shape[0], dtype=_accumulation_dtype(raw))
+    logits = raw.new_empty(raw.shape if write_logits else (0,), dtype=_logits_dtype(raw, has_inv))
+    return rows, torch.empty_like(rows), logits
 
 
 @torch.library.custom_op("sphereml::margin_ce_grad", mutates_args=())
-def _grad(raw: Tensor, inv: Tensor, labels: Tensor, lse: Tensor, scale: Tensor,
-          has_inv: bool) -> tuple[Tensor, Tensor]:
-    """(g' = scale * softmax * inv with the label column 0: Tensor[B, C] in raw's dtype,
-    column sums of g' * raw: Tensor[C] as lse; empty without ``has_inv``)."""
+def _grad(raw: Tensor, inv: Tensor, labels: Tensor, lse: Tensor, row_scale: Tensor, label_grad: Tensor,
+          has_inv: bool, has_label_grad: bool) -> tuple[Tensor, Tensor]:
+    """(g' = (row_scale * softmax over the columns j != y_b, label_grad on the label column) * inv: Tensor[B, C]
+    in raw's dtype, column sums of g' * raw: Tensor[C] as lse; empty without ``has_inv``)."""
     if _on_kernels(raw):
-        return _triton_grad(raw, inv, labels, lse, scale, has_inv)
-    p = torch.exp(_masked_logits(raw, inv, has_inv) - lse[:, None]).scatter_(1, labels[:, None], 0.0) * scale
+        return _triton_grad(raw, inv, labels, lse, row_scale, label_grad, has_inv, has_label_grad)
+    p = torch.exp(_masked_logits(raw, inv, has_inv) - lse[:, None]).scatter_(1, labels[:, None], 0.0)
+    p = p * row_scale[:, None]
+    if has_label_grad:
+        p = p.scatter(1, labels[:, None], label_grad[:, None].to(p.dtype))
     if not has_inv:
         return p.to(raw.dtype), p.new_empty(0)
     g = p * inv
@@ -131,7 +166,7 @@ def _grad(raw: Tensor, inv: Tensor, labels: Tensor, lse: Tensor, scale: Tensor,
 
 
 @_grad.register_fake
-def _(raw, inv, labels, lse, scale, has_inv):
+def _(raw, inv, labels, lse, row_scale, label_grad, has_inv, has_label_grad):
     return raw.new_empty(raw.shape), raw.new_empty(raw.shape[1] if has_inv else 0, dtype=_accumulation_dtype(raw))
 
 
@@ -143,13 +178,22 @@ def _kernels():
     return triton, _margin_kernels
 
 
-def _placeholder(inv: Tensor) -> Tensor:
-    """``inv``, or one float when it is empty: an empty CUDA tensor has a null pointer, which Triton's
+def _placeholder(t: Tensor) -> Tensor:
+    """``t``, or one float when it is empty: an empty CUDA tensor has a null pointer, which Triton's
     launcher refuses even for an argument the kernel never reads."""
-    return inv if inv.numel() else inv.new_empty(1)
+    return t if t.numel() else t.new_empty(1)
 
 
-def _triton_lse(raw, inv, labels, target, has_inv):
+def _triton_norms(weight):
+    triton, kernels = _kernels()
+    (c, d), (br, bd, warps) = weight.shape, kernels.NORM_BLOCKS
+    weight = weight.contiguous()
+    norms = torch.empty(c, dtype=torch.float32, device=weight.device)
+    kernels.norm_kernel[(triton.cdiv(c, br),)](weight, norms, c, d, weight.stride(0), BR=br, BD=bd, num_warps=warps)
+    return norms
+
+
+def _triton_lse(raw, inv, labels, has_inv, write_logits):
     triton, kernels = _kernels()
     (b, c), (bm, bn, warps) = raw.shape, kernels.LSE_BLOCKS
     raw, inv, labels = raw.contiguous(), _placeholder(inv), labels.contiguous()  # the kernels assume stride 1
@@ -158,68 +202,90 @@ def _triton_lse(raw, inv, labels, target, has_inv):
     chunk = triton.cdiv(triton.cdiv(c, n_chunks), bn) * bn  # a multiple of BN: tiles never straddle chunks
     n_chunks = triton.cdiv(c, chunk)
     maxes = torch.empty(b, n_chunks, dtype=torch.float32, device=raw.device)
-    sums = torch.empty_like(maxes)
-    kernels.lse_kernel[(row_blocks, n_chunks)](raw, inv, labels, maxes, sums, b, c, raw.stride(0), chunk, n_chunks,
-                                                HAS_INV=has_inv, BM=bm, BN=bn, num_warps=warps)
-    t = target.float()
-    top = torch.maximum(maxes.amax(1), t)
-    total = (sums * torch.exp(maxes - top[:, None])).sum(1) + torch.exp(t - top)
-    return top + torch.log(total)
+    sums, rest, raw_y = torch.empty_like(maxes), maxes.new_empty(b), maxes.new_empty(b)
+    logits = raw.new_empty(raw.shape if write_logits else (1,), dtype=_logits_dtype(raw, has_inv))
+    kernels.lse_kernel[(row_blocks, n_chunks)](raw, inv, labels, maxes, sums, raw_y, logits, b, c, raw.stride(0),
+                                                chunk, n_chunks, HAS_INV=has_inv, WRITE_LOGITS=write_logits,
+                                                BM=bm, BN=bn, num_warps=warps)
+    bm, bk, warps = kernels.COMBINE_BLOCKS
+    kernels.combine_kernel[(triton.cdiv(b, bm),)](maxes, sums, rest, b, n_chunks, BM=bm, BK=bk, num_warps=warps)
+    return rest, raw_y, logits if write_logits else logits.new_empty(0)
 
 
-def _triton_grad(raw, inv, labels, lse, scale, has_inv):
+def _triton_grad(raw, inv, labels, lse, row_scale, label_grad, has_inv, has_label_grad):
     triton, kernels = _kernels()
     (b, c), (bm, bn, warps) = raw.shape, kernels.GRAD_BLOCKS
-    raw, inv, labels = raw.contiguous(), _placeholder(inv), labels.contiguous()
+    raw, inv, labels, label_grad = raw.contiguous(), _placeholder(inv), labels.contiguous(), _placeholder(label_grad)
     grid = (triton.cdiv(b, bm), triton.cdiv(c, bn))
     grad = torch.empty_like(raw)
     partial = torch.empty(grid[0] if has_inv else 1, c, dtype=torch.float32, device=raw.device)
-    kernels.grad_kernel[grid](raw, inv, labels, lse, scale, grad, partial, b, c, raw.stride(0),
-                              HAS_INV=has_inv, BM=bm, BN=bn, num_warps=warps)
+    kernels.grad_kernel[grid](raw, inv, labels, lse, row_scale.contiguous(), label_grad, grad, partial, b, c,
+                              raw.stride(0), HAS_INV=has_inv, HAS_LABEL_GRAD=has_label_grad, BM=bm, BN=bn,
+                              num_warps=warps)
     return grad, partial.sum(0) if has_inv else partial.new_empty(0)
 
 
-class _FusedMarginCE(torch.autograd.Function):
-    """mean_b [lse_b - t_b] from one product x W^T and the two passes above (module notes)."""
+class _FusedLabelSplit(torch.autograd.Function):
+    """From one product x W^T: the log-sum-exp of every row without its label column, the label logit z_b,y_b
+    and, with ``want_label_norms``, ||W_y_b||; each differentiable (module notes)."""
 
     @staticmethod
-    def forward(ctx, x, weight, labels, target, normalize_weight, eps, return_logits):
+    def forward(ctx, x, weight, labels, normalize_weight, eps, want_label_norms, return_logits):
+        norm = torch.ops.sphereml.margin_ce_norms(weight) if normalize_weight or want_label_norms else None
+        raw = x @ weight.T  # (B, C): the one product, in autocast's dtype where autocast is on
         if normalize_weight:
-            norm = safe_norm(weight, dim=1)
             inv, active = norm.clamp_min(eps).reciprocal(), norm >= eps
         else:
-            inv = active = weight.new_empty(0)
-        raw = x @ weight.T  # (B, C): the one product, in autocast's dtype where autocast is on
-        inv = inv.to(_accumulation_dtype(raw))
-        lse = torch.ops.sphereml.margin_ce_lse(raw, inv, labels, target, normalize_weight)
-        loss = (lse - target.to(lse.dtype)).mean()
-        ctx.save_for_backward(x, weight, raw, inv, active, lse, labels, target)
-        ctx.normalize_weight = normalize_weight
+            inv = active = torch.empty(0, dtype=_accumulation_dtype(raw), device=raw.device)
+        rest, raw_y, logits = torch.ops.sphereml.margin_ce_lse(raw, inv, labels, normalize_weight, return_logits)
+        logit_y = raw_y * inv[labels] if normalize_weight else raw_y
+        label_norms = norm[labels] if want_label_norms else rest.new_empty(0)
+        ctx.save_for_backward(x, weight, raw, inv, active, rest, labels, norm if want_label_norms else None)
+        ctx.normalize_weight, ctx.want_label_norms = normalize_weight, want_label_norms
         ctx.set_materialize_grads(False)  # no B x C zeros for the gradient of the logits output
-        if not return_logits:
-            return loss, None
-        logits = raw * inv if normalize_weight else raw.clone()
         ctx.mark_non_differentiable(logits)
-        return loss, logits
+        return rest, logit_y, label_norms, logits if return_logits else None
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_loss, _grad_logits):
-        if grad_loss is None:  # grads are not materialised: the loss was not used
-            return (None,) * 7
-        x, weight, raw, inv, active, lse, labels, target = ctx.saved_tensors
-        scale = (grad_loss.to(lse.dtype) / raw.shape[0]).reshape(1)  # stays on the device
-        g, colsum = torch.ops.sphereml.margin_ce_grad(raw, inv, labels, lse, scale, ctx.normalize_weight)
+    def backward(ctx, grad_rest, grad_logit_y, grad_label_norms, _grad_logits):
+        x, weight, raw, inv, active, rest, labels, norm = ctx.saved_tensors
+        row_scale = grad_rest if grad_rest is not None else torch.zeros_like(rest)
+        label_grad = grad_logit_y if grad_logit_y is not None else rest.new_empty(0)
+        g, colsum = torch.ops.sphereml.margin_ce_grad(raw, inv, labels, rest, row_scale.to(rest.dtype),
+                                                      label_grad.to(rest.dtype), ctx.normalize_weight,
+                                                      grad_logit_y is not None)
         grad_x = (g @ weight.to(g.dtype)).to(x.dtype) if ctx.needs_input_grad[0] else None
         grad_w = None
         if ctx.needs_input_grad[1]:
             grad_w = (g.T @ x.to(g.dtype)).to(weight.dtype)
-            if ctx.normalize_weight:
-                grad_w.addcmul_(weight, (colsum * inv * inv * active)[:, None].to(weight.dtype), value=-1.0)
-        grad_t = None
-        if ctx.needs_input_grad[3]:
-            grad_t = (scale * (torch.exp(target.to(lse.dtype) - lse) - 1.0)).to(target.dtype)
-        return grad_x, grad_w, None, grad_t, None, None, None
+            coeff = -colsum * inv * inv * active if ctx.normalize_weight else None
+            if ctx.want_label_norms and grad_label_norms is not None:  # d||W_j|| / dW_j = W_j / ||W_j||, 0 at 0
+                per_class = torch.zeros_like(norm).index_add_(0, labels, grad_label_norms.to(norm.dtype))
+                norm_term = per_class * torch.where(norm > 0, norm, 1.0).reciprocal() * (norm > 0)
+                coeff = norm_term if coeff is None else coeff + norm_term
+            if coeff is not None:
+                grad_w.addcmul_(weight, coeff[:, None].to(weight.dtype))
+        return grad_x, grad_w, None, None, None, None, None
+
+
+def label_split(x: Tensor, weight: Tensor, labels: Tensor, normalize_weight: bool = True, eps: float = 1e-12,
+                label_norms: bool = False, return_logits: bool = False):
+    """The fused backend's parts of the margin cross-entropy, from one product x W^T (module notes).
+
+    Returns:
+        (rest, logit_y, norms_y, logits): rest_b = log sum_{j != y_b} exp(z_bj) (Tensor[B]); the label logit
+        z_b,y_b (Tensor[B]); ||W_y_b|| with ``label_norms`` (Tensor[B], else empty); the margin-free logits
+        with ``return_logits`` (Tensor[B, C], detached, else None).  The first three are differentiable, so a
+        head computes its target logit t_b from them and the loss is mean_b [logaddexp(t_b, rest_b) - t_b].
+    """
+    return _FusedLabelSplit.apply(x, weight, labels, normalize_weight, eps, label_norms, return_logits)
+
+
+def loss_from_rest(target: Tensor, rest: Tensor) -> Tensor:
+    """mean_b [log(exp(t_b) + exp(rest_b)) - t_b]: the cross-entropy with target logit t_b (Tensor[B])."""
+    target = target.to(rest.dtype)
+    return (torch.logaddexp(target, rest) - target).mean()
 
 
 def _reference(x, weight, labels, target, normalize_weight, eps):
@@ -250,5 +316,6 @@ def margin_cross_entropy(x: Tensor, weight: Tensor, labels: Tensor, target: Tens
         loss, logits = _reference(x, weight, labels, target, normalize_weight, eps)
         logits = logits.detach()
     else:
-        loss, logits = _FusedMarginCE.apply(x, weight, labels, target, normalize_weight, eps, return_logits)
+        rest, _, _, logits = label_split(x, weight, labels, normalize_weight, eps, return_logits=return_logits)
+        loss = loss_from_rest(target, rest)
     return (loss, logits) if return_logits else loss

@@ -26,8 +26,9 @@ head                       scale                   psi(theta_y)       source
 logit, so its logits are a scale times g(theta_j) rather than times cos(theta_j).)
 
 The B x C part of :meth:`loss` (the logits and the cross-entropy) is
-:func:`~sphereml.heads.margin_ce.margin_cross_entropy`: on CUDA two fused Triton passes, on the CPU autograd
-over readable steps (``head.backend`` chooses; the head computes only the B target logits).
+:func:`~sphereml.heads.margin_ce.margin_cross_entropy`'s: autograd over readable steps, or with
+``head.backend = "fused"`` Triton passes from one product (:func:`~sphereml.heads.margin_ce.label_split`); either
+way the head computes only the B target logits.
 
 Note [margin without arccos]
     The multiplicative psi needs the branch index k = floor(m theta / pi).  k is
@@ -49,7 +50,7 @@ from .._checks import integer, labels as check_labels, real_number
 from ..angular import angular_activation, angular_function, check_angular, stable_arccos
 from ..energy.triton_backend import FUSED_BACKENDS, choose_backend
 from ..geometry import normalize, safe_norm
-from .margin_ce import margin_cross_entropy, weight_normalized_linear
+from .margin_ce import label_split, loss_from_rest, weight_normalized_linear
 from .schedules import LambdaSchedule
 from .targets import arcface_psi, integer_margin, multiplicative_psi, psi
 
@@ -152,18 +153,17 @@ class _MarginHead(nn.Module):
         return features
 
     def _fused_loss(self, features: Tensor, labels: Tensor, want_logits: bool):
-        """The loss with the target logit from the label rows of W (O(B d)), the rest by ``margin_cross_entropy``."""
+        """The B x C part from one product (:func:`~sphereml.heads.margin_ce.label_split`), the target logit from
+        its label logit (and label rows' norms): no row of W is gathered, so dL/dW takes no C x d zeros."""
         self._check_features(features)
         self._check_labels(features, labels)
-        x, w_y = self.product_input(features), self.weight[labels]
-        logit_y = (x * w_y).sum(1, keepdim=True)
-        if self.weight_normalized:
-            logit_y = logit_y / safe_norm(w_y, dim=1, keepdim=True).clamp_min(1e-12)
-        scale_y = self._scale(features, labels)
+        normalized = bool(self.weight_normalized)
+        rest, logit_y, norms_y, logits = label_split(self.product_input(features), self.weight, labels, normalized,
+                                                     label_norms=not normalized, return_logits=want_logits)
+        logit_y = logit_y[:, None]
+        scale_y = self._scale(features, labels) if normalized else self._scale_from_norms(features, norms_y[:, None])
         target = self._target(self._target_cosine(features, labels, logit_y, scale_y), logit_y, scale_y)
-        result = margin_cross_entropy(x, self.weight, labels, target[:, 0], self.weight_normalized,
-                                      backend="fused", return_logits=want_logits)
-        return result if want_logits else (result, None)
+        return loss_from_rest(target[:, 0], rest), logits
 
     def _loss(self, features: Tensor, labels: Tensor, want_logits: bool):
         fused = self.weight_normalized is not None and choose_backend(self.backend, features) == "fused"
@@ -264,8 +264,11 @@ class LSoftmaxLoss(_MarginHead):
         return features @ self.weight.T
 
     def _scale(self, features, labels):
-        w_norm = safe_norm(self.weight, dim=1)[labels]  # gathers C norms, not C x d rows
-        return safe_norm(features, dim=1, keepdim=True) * w_norm[:, None]
+        return self._scale_from_norms(features, safe_norm(self.weight, dim=1)[labels][:, None])  # C norms gathered
+
+    def _scale_from_norms(self, features: Tensor, norms_y: Tensor) -> Tensor:
+        """||x|| ||W_y||, Tensor[B, 1], from the label rows' norms (Tensor[B, 1])."""
+        return safe_norm(features, dim=1, keepdim=True) * norms_y
 
     def _target(self, cos_y, logit_y, scale_y):
         return _anneal(logit_y, scale_y * multiplicative_psi(cos_y, self.m), _current_lambda(self))
