@@ -9,9 +9,10 @@ time) and saved beside the timings, to show where a head's time goes.  ``SPHEREM
 the compiled candidates (their compilation takes most of the run's time).
 
 The heads take the reference path (the default: autograd over the B x C logits); on CUDA the four heads of
-``FUSED_ROWS`` also run with ``backend="fused"`` (:func:`sphereml.heads.margin_ce.label_split`, Triton).  Beside
-each time: the aten operations of one step and, in brackets, those that touch a B x C or C x d tensor (on this
-CPU at B=256, C=10,000: 8 for the baseline, 24 for every head's reference path, 8 for the fused path).
+``FUSED_ROWS`` also run with ``backend="fused"`` (:func:`sphereml.heads.fused_head.fused_margin_loss`, Triton).
+Beside each time: the aten operations of one step and, in brackets, those that touch a B x C or C x d tensor (on
+this CPU at B=256, C=10,000: 8 for the baseline, 24 for every head's reference path, 8 for the fused path; in all,
+8, 41-112 and 10-19 on a GPU, where the labels' range is not read).
 Result files of 2026-11-27 were measured when the heads took an earlier fused path on CUDA: there the plain
 rows are fused and the "(reference)" rows the reference (their ``note`` says so).
 :func:`compile_check` compiles the fused kernels for sm_90 on a machine without a GPU.
@@ -107,16 +108,20 @@ def run(device: torch.device) -> dict:
 
 def compile_check(arch: int = 90) -> list[dict]:
     """Compile the fused cross-entropy's kernels (float32 and bf16 products, with and without the weight
-    norms) for ``sm_<arch>`` on the CPU and print registers and spills.  Must run without TRITON_INTERPRET."""
+    norms; the tail of each target kind) for ``sm_<arch>`` on the CPU and print registers and spills.  Must run
+    without TRITON_INTERPRET."""
     from sphereml.heads import _margin_kernels as kernels
 
     from .sm90 import compile_kernel
 
-    types = {"W": "*fp32", "NORM_OUT": "*fp32", "RAW": "*fp32", "INV": "*fp32", "LABELS": "*i64", "MAX_OUT": "*fp32",
-             "SUM_OUT": "*fp32", "RAWY_OUT": "*fp32", "LOGITS_OUT": "*fp32", "MAX_IN": "*fp32", "SUM_IN": "*fp32",
-             "LSE_OUT": "*fp32", "LSE": "*fp32", "ROW_SCALE": "*fp32", "LABEL_GRAD": "*fp32", "GRAD_OUT": "*fp32",
-             "COLSUM_OUT": "*fp32", "B": "i32", "C": "i32", "d": "i32", "stride": "i32", "chunk": "i32",
-             "n_chunks": "i32"}
+    types = {"W": "*fp32", "NORM_OUT": "*fp32", "INV_OUT": "*fp32", "DINV_OUT": "*fp32", "RAW": "*fp32",
+             "INV": "*fp32", "LABELS": "*i64", "MAX_OUT": "*fp32", "SUM_OUT": "*fp32", "RAWY_OUT": "*fp32",
+             "LOGITS_OUT": "*fp32", "MAX_IN": "*fp32", "SUM_IN": "*fp32", "LSE_OUT": "*fp32", "LSE": "*fp32",
+             "ROW_SCALE": "*fp32", "LABEL_GRAD": "*fp32", "SCALE": "*fp32", "GRAD_OUT": "*fp32", "COLSUM_OUT": "*fp32",
+             "B": "i32", "C": "i32", "d": "i32", "stride": "i32", "chunk": "i32", "n_chunks": "i32", "eps": "fp32",
+             "REST": "*fp32", "RAWY": "*fp32", "XNORM": "*fp32", "WNORM": "*fp32", "LOSS_OUT": "*fp32",
+             "ROW_GRAD": "*fp32", "XNORM_GRAD": "*fp32", "WNORM_GRAD": "*fp32", "s": "fp32", "a": "fp32", "b": "fp32",
+             "p0": "fp32", "p1": "fp32"}
     cases = [("norm", kernels.norm_kernel, kernels.NORM_BLOCKS, dtype, {"W": f"*{dtype}"}, {}, ("BR", "BD"))
              for dtype in ("fp32", "bf16")]
     for dtype in ("fp32", "bf16"):
@@ -126,12 +131,19 @@ def compile_check(arch: int = 90) -> list[dict]:
                           {"RAW": f"*{dtype}", "LOGITS_OUT": logits}, {"HAS_INV": has_inv, "WRITE_LOGITS": True},
                           ("BM", "BN")))
             cases.append(("grad", kernels.grad_kernel, kernels.GRAD_BLOCKS, dtype,
-                          {"RAW": f"*{dtype}", "GRAD_OUT": f"*{dtype}"}, {"HAS_INV": has_inv, "HAS_LABEL_GRAD": True},
-                          ("BM", "BN")))
+                          {"RAW": f"*{dtype}", "GRAD_OUT": f"*{dtype}"},
+                          {"HAS_INV": has_inv, "HAS_LABEL_GRAD": True, "HAS_SCALE": True}, ("BM", "BN")))
     cases.append(("combine", kernels.combine_kernel, kernels.COMBINE_BLOCKS, "fp32", {}, {}, ("BM", "BK")))
+    block, warps = kernels.TAIL_BLOCKS
+    for kind, m, has_inv, scale in ((0, 1, True, 0), (1, 1, True, 0), (2, 1, True, 0), (3, 4, True, 1),
+                                    (4, 1, True, 0), (5, 4, False, 2)):  # the heads' tails (margin_tail.TAIL_KINDS)
+        cases.append((f"tail{kind}", kernels.tail_kernel, (block, 1, warps), "fp32", {},
+                      {"KIND": kind, "M": m, "HAS_INV": has_inv, "SCALE": scale}, ("BLOCK", None)))
     rows = []
     for name, kernel, (rows_block, cols_block, warps), dtype, typed, flags, block_names in cases:
-        constants = {**flags, block_names[0]: rows_block, block_names[1]: cols_block}
+        constants = {**flags, block_names[0]: rows_block}
+        if block_names[1]:
+            constants[block_names[1]] = cols_block
         row = {"kernel": name, "dtype": dtype, "has_inv": flags.get("HAS_INV"),
                **compile_kernel(kernel, {**types, **typed}, constants, warps, 2, arch)}
         rows.append(row)

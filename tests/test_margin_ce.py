@@ -107,13 +107,14 @@ def test_kernel_passes_match_float64(b, c, dtype, has_inv):
     labels = torch.stack([labels, labels], 1)[:, 0]  # stride 2: the launchers make it contiguous
     row_scale, label_grad = torch.rand(b, generator=g), torch.randn(b, generator=g)
     ops = torch.ops.sphereml
+    scale = torch.tensor(-0.7)  # the loss's incoming gradient, a device tensor
     rest64, raw_y64, logits64 = ops.margin_ce_lse(raw.double(), inv.double(), labels, has_inv, True)
     g64, col64 = ops.margin_ce_grad(raw.double(), inv.double(), labels, rest64, row_scale.double(),
-                                    label_grad.double(), has_inv, True)
+                                    label_grad.double(), has_inv, True, scale.double())
     on = {"device": DEVICE}
     rest, raw_y, logits = ops.margin_ce_lse(raw.to(**on), inv.to(**on), labels.to(**on), has_inv, True)
     grad, col = ops.margin_ce_grad(raw.to(**on), inv.to(**on), labels.to(**on), rest64.float().to(**on),
-                                   row_scale.to(**on), label_grad.to(**on), has_inv, True)
+                                   row_scale.to(**on), label_grad.to(**on), has_inv, True, scale.to(**on))
     assert rest.dtype == raw_y.dtype == torch.float32 and grad.dtype == dtype
     assert logits.dtype == (torch.float32 if has_inv else dtype)
     torch.testing.assert_close(rest.double().cpu(), rest64, rtol=1e-5, atol=1e-5)
@@ -137,10 +138,26 @@ def test_norm_pass_neither_overflows_nor_underflows(dtype):
     weight[4] = 3e-39 if dtype == torch.float32 else 1e-37  # subnormal float32 entries (the interpreter's bfloat16
     # loses its subnormals), a normal norm
     weight = weight.to(dtype)
-    norms = torch.ops.sphereml.margin_ce_norms(weight.to(DEVICE))
-    assert norms.dtype == torch.float32
     expected = safe_norm(weight.double(), dim=1)
-    torch.testing.assert_close(norms.double().cpu(), expected, rtol=2e-7, atol=0)
+    for eps in (1e-12, 0.0):
+        norms, inv, dinv = (t.double().cpu() for t in torch.ops.sphereml.margin_ce_norms(weight.to(DEVICE), eps))
+        torch.testing.assert_close(norms, expected, rtol=2e-7, atol=0)
+        floor = expected.clamp_min(eps)
+        want_inv = torch.where(floor > 0, 1 / floor, 0.0).clamp_max(3e38)  # 1e-30 rows: 1e30, finite in float32
+        torch.testing.assert_close(inv, want_inv, rtol=2e-7, atol=0)
+        torch.testing.assert_close(dinv, -want_inv * (expected >= max(eps, 1e-300)), rtol=2e-7, atol=0)
+    assert inv[3] == 0 and dinv[3] == 0  # a zero row with eps = 0: no inverse, no gradient
+
+
+def test_norm_pass_floors_the_inverse():
+    """eps = 1e-12: a row of norm 1e-13 gets inv = 1e12 and no gradient through its norm (dinv = 0)."""
+    weight = torch.randn(3, 5, dtype=torch.float64)
+    weight[1] *= 1e-13 / weight[1].norm()
+    weight[2] = 0.0
+    norms, inv, dinv = torch.ops.sphereml.margin_ce_norms(weight.float().to(DEVICE), 1e-12)
+    torch.testing.assert_close(inv.cpu()[1:].double(), torch.tensor([1e12, 1e12], dtype=torch.float64), rtol=1e-6,
+                               atol=0)
+    assert dinv.cpu()[1:].eq(0).all() and dinv.cpu()[0] == -inv.cpu()[0]
 
 
 def test_single_class_gives_zero_loss_and_matches_the_reference():
@@ -182,13 +199,15 @@ def test_custom_operators_pass_opcheck():
     raw, inv = torch.randn(9, 40, generator=g).to(DEVICE), (torch.rand(40, generator=g) + 0.5).to(DEVICE)
     labels = torch.randint(40, (9,), generator=g).to(DEVICE)
     ops = torch.ops.sphereml
-    torch.library.opcheck(ops.margin_ce_norms, (torch.randn(40, 7, generator=g).to(DEVICE),))
+    for eps in (1e-12, 0.0):
+        torch.library.opcheck(ops.margin_ce_norms, (torch.randn(40, 7, generator=g).to(DEVICE), eps))
     for has_inv, write_logits in ((True, True), (False, False)):
         args = (raw, inv if has_inv else inv[:0], labels, has_inv, write_logits)
         torch.library.opcheck(ops.margin_ce_lse, args)
         rest = ops.margin_ce_lse(*args)[0]
         scales = torch.rand(9, generator=g).to(DEVICE), torch.randn(9, generator=g).to(DEVICE)
         torch.library.opcheck(ops.margin_ce_grad, (*args[:3], rest, *scales, has_inv, True))
+        torch.library.opcheck(ops.margin_ce_grad, (*args[:3], rest, *scales, has_inv, True, scales[1][0]))
 
 
 @pytest.mark.parametrize("name", ["ArcFace", "L-Softmax m=3", "A-Softmax m=4 annealed"])
@@ -271,10 +290,11 @@ def test_auto_is_the_reference_on_the_cpu():
 
 
 def test_kernels_compile_for_sm90_without_spills():
-    """The four kernels, float32 and bf16 products, with and without weight norms, compiled for an H100 here
-    (``benchmarks/sm90.py``; in a subprocess, as the kernels of this process are interpreted)."""
+    """The five kernels (float32 and bf16 products, with and without weight norms; the tail of each target kind),
+    compiled for an H100 here (``benchmarks/sm90.py``; in a subprocess, as the kernels of this process are
+    interpreted)."""
     rows = sm90_compile_rows("bench_margins")
-    assert len(rows) == 11
+    assert len(rows) == 17
     for row in rows:
         assert row["spill_store_bytes"] in (0, None), row
         assert row["registers"] is None or row["registers"] <= 255, row

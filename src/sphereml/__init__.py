@@ -16,7 +16,9 @@ module:
   scaling, a radius per channel).
 * :mod:`~sphereml.heads` — margin heads (thesis Ch. 2): :mod:`~sphereml.heads.margins` (normalised, L-, A-,
   GA-, W-Softmax, CosFace, ArcFace), :mod:`~sphereml.heads.margin_ce` (the B x C part: logits and the
-  cross-entropy with a margin target in two passes), :mod:`~sphereml.heads.targets` (the target functions
+  cross-entropy with a margin target in two passes), :mod:`~sphereml.heads.margin_tail` (the fused heads' B
+  target logits, loss and derivatives in one operator), :mod:`~sphereml.heads.fused_head` (a whole fused head as
+  one autograd node), :mod:`~sphereml.heads.targets` (the target functions
   psi: cos(m theta) by Chebyshev polynomials, A-Softmax's psi_m, ArcFace's cos(theta + m)),
   :mod:`~sphereml.heads.schedules` (the lambda schedule).
 * :mod:`~sphereml.energy` — hyperspherical energy with dense, tiled and Triton backends, sharded over ranks,

@@ -16,12 +16,13 @@ Only B values change, so the head computes t_b itself (O(B) work), and :func:`ma
 * ``"fused"``: one product x W^T, one pass over W and one over the product each way.  With
   rest_b = log sum_{j != y_b} exp(z_bj), the loss is mean_b [logaddexp(t_b, rest_b) - t_b], so the B x C work
   splits from the head's O(B) work: :func:`label_split` returns rest_b, the label logit z_b,y_b and (for
-  L-Softmax) ||W_y_b||, each differentiable, and the head computes t_b from them with autograd over B values.
+  L-Softmax) ||W_y_b||, each differentiable, and a caller computes t_b from them with autograd over B values (the
+  heads go one step further, :mod:`~sphereml.heads.fused_head`: their B values are one operator too).
   Its forward takes ||W_j|| in one pass (squares in float64) and streams the product once for rest_b, the
   label logit and, when asked, the logits; its backward reads the product once and writes the gradient of
   the product, g'_bj = dL/drest_b p_bj inv_j (p the softmax over the columns j != y_b) and
-  g'_b,y_b = dL/dz_b,y_b inv_y_b, with the column sums of g' times the product in the same pass.  Then
-  dL/dx = g' W and dL/dW = g'^T x - W_j (inv_j^2 sum_b g'_bj (x_b . W_j) - n_j / ||W_j||), n_j the gradients of
+  g'_b,y_b = dL/dz_b,y_b inv_y_b, with the column sums of g' times the logits in the same pass.  Then
+  dL/dx = g' W and dL/dW = g'^T x - W_j (inv_j sum_b g'_bj z_bj - n_j / ||W_j||), n_j the gradients of
   the label norms of class j: one in-place pass over dL/dW.  No row of W is gathered, so dL/dW takes no C x d
   zeros and no second C x d gradient: the step passes over C x d tensors as often as ``nn.Linear`` +
   ``cross_entropy`` but for the norm pass and that in-place update.
@@ -115,16 +116,22 @@ def _logits_dtype(raw: Tensor, has_inv: bool) -> torch.dtype:
 
 
 @torch.library.custom_op("sphereml::margin_ce_norms", mutates_args=())
-def _norms(weight: Tensor) -> Tensor:
-    """||W_j|| for every row: Tensor[C], float32 (float64 for float64), one pass over W on the kernels."""
+def _norms(weight: Tensor, eps: float) -> tuple[Tensor, Tensor, Tensor]:
+    """For every row: (||W_j||, inv_j = 1 / max(||W_j||, eps) (0 for a zero row when eps = 0), dinv_j = -inv_j where
+    ||W_j|| >= eps and 0 elsewhere), each Tensor[C], float32 (float64 for float64); one pass over W on the kernels.
+    d inv_j / dW_j = dinv_j inv_j W_j, so dinv carries the gradient through the norm's floor."""
     if _on_kernels(weight):
-        return _triton_norms(weight)
-    return safe_norm(weight.to(_accumulation_dtype(weight)), dim=1)
+        return _triton_norms(weight, eps)
+    norm = safe_norm(weight.to(_accumulation_dtype(weight)), dim=1)
+    floor = norm.clamp_min(eps)
+    inv = torch.where(floor > 0, floor, 1.0).reciprocal() * (floor > 0)
+    return norm, inv, -inv * ((norm >= eps) & (norm > 0))
 
 
 @_norms.register_fake
-def _(weight):
-    return weight.new_empty(weight.shape[0], dtype=_accumulation_dtype(weight))
+def _(weight, eps):
+    norm = weight.new_empty(weight.shape[0], dtype=_accumulation_dtype(weight))
+    return norm, torch.empty_like(norm), torch.empty_like(norm)
 
 
 @torch.library.custom_op("sphereml::margin_ce_lse", mutates_args=())
@@ -150,23 +157,27 @@ def _(raw, inv, labels, has_inv, write_logits):
 
 @torch.library.custom_op("sphereml::margin_ce_grad", mutates_args=())
 def _grad(raw: Tensor, inv: Tensor, labels: Tensor, lse: Tensor, row_scale: Tensor, label_grad: Tensor,
-          has_inv: bool, has_label_grad: bool) -> tuple[Tensor, Tensor]:
-    """(g' = (row_scale * softmax over the columns j != y_b, label_grad on the label column) * inv: Tensor[B, C]
-    in raw's dtype, column sums of g' * raw: Tensor[C] as lse; empty without ``has_inv``)."""
+          has_inv: bool, has_label_grad: bool, scale: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """(g' = (row_scale * softmax over the columns j != y_b, label_grad on the label column) * inv, all times the
+    0-d ``scale`` when given: Tensor[B, C] in raw's dtype; column sums of g' * z: Tensor[C] as lse, empty without
+    ``has_inv``)."""
     if _on_kernels(raw):
-        return _triton_grad(raw, inv, labels, lse, row_scale, label_grad, has_inv, has_label_grad)
-    p = torch.exp(_masked_logits(raw, inv, has_inv) - lse[:, None]).scatter_(1, labels[:, None], 0.0)
+        return _triton_grad(raw, inv, labels, lse, row_scale, label_grad, has_inv, has_label_grad, scale)
+    z = _masked_logits(raw, inv, has_inv)
+    p = torch.exp(z - lse[:, None]).scatter_(1, labels[:, None], 0.0)
     p = p * row_scale[:, None]
     if has_label_grad:
         p = p.scatter(1, labels[:, None], label_grad[:, None].to(p.dtype))
+    if scale is not None:
+        p = p * scale.to(p.dtype)
     if not has_inv:
         return p.to(raw.dtype), p.new_empty(0)
     g = p * inv
-    return g.to(raw.dtype), (g * raw.to(g.dtype)).sum(0)
+    return g.to(raw.dtype), (g * z).sum(0)
 
 
 @_grad.register_fake
-def _(raw, inv, labels, lse, row_scale, label_grad, has_inv, has_label_grad):
+def _(raw, inv, labels, lse, row_scale, label_grad, has_inv, has_label_grad, scale=None):
     return raw.new_empty(raw.shape), raw.new_empty(raw.shape[1] if has_inv else 0, dtype=_accumulation_dtype(raw))
 
 
@@ -184,13 +195,14 @@ def _placeholder(t: Tensor) -> Tensor:
     return t if t.numel() else t.new_empty(1)
 
 
-def _triton_norms(weight):
+def _triton_norms(weight, eps):
     triton, kernels = _kernels()
     (c, d), (br, bd, warps) = weight.shape, kernels.NORM_BLOCKS
     weight = weight.contiguous()
-    norms = torch.empty(c, dtype=torch.float32, device=weight.device)
-    kernels.norm_kernel[(triton.cdiv(c, br),)](weight, norms, c, d, weight.stride(0), BR=br, BD=bd, num_warps=warps)
-    return norms
+    norm, inv, dinv = (torch.empty(c, dtype=torch.float32, device=weight.device) for _ in range(3))
+    kernels.norm_kernel[(triton.cdiv(c, br),)](weight, norm, inv, dinv, c, d, weight.stride(0), eps, BR=br, BD=bd,
+                                               num_warps=warps)
+    return norm, inv, dinv
 
 
 def _triton_lse(raw, inv, labels, has_inv, write_logits):
@@ -212,16 +224,17 @@ def _triton_lse(raw, inv, labels, has_inv, write_logits):
     return rest, raw_y, logits if write_logits else logits.new_empty(0)
 
 
-def _triton_grad(raw, inv, labels, lse, row_scale, label_grad, has_inv, has_label_grad):
+def _triton_grad(raw, inv, labels, lse, row_scale, label_grad, has_inv, has_label_grad, scale):
     triton, kernels = _kernels()
     (b, c), (bm, bn, warps) = raw.shape, kernels.GRAD_BLOCKS
     raw, inv, labels, label_grad = raw.contiguous(), _placeholder(inv), labels.contiguous(), _placeholder(label_grad)
     grid = (triton.cdiv(b, bm), triton.cdiv(c, bn))
     grad = torch.empty_like(raw)
     partial = torch.empty(grid[0] if has_inv else 1, c, dtype=torch.float32, device=raw.device)
-    kernels.grad_kernel[grid](raw, inv, labels, lse, row_scale.contiguous(), label_grad, grad, partial, b, c,
-                              raw.stride(0), HAS_INV=has_inv, HAS_LABEL_GRAD=has_label_grad, BM=bm, BN=bn,
-                              num_warps=warps)
+    kernels.grad_kernel[grid](raw, inv, labels, lse, row_scale.contiguous(), label_grad,
+                              lse if scale is None else scale.to(torch.float32), grad, partial, b, c, raw.stride(0),
+                              HAS_INV=has_inv, HAS_LABEL_GRAD=has_label_grad, HAS_SCALE=scale is not None, BM=bm,
+                              BN=bn, num_warps=warps)
     return grad, partial.sum(0) if has_inv else partial.new_empty(0)
 
 
@@ -231,16 +244,15 @@ class _FusedLabelSplit(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, labels, normalize_weight, eps, want_label_norms, return_logits):
-        norm = torch.ops.sphereml.margin_ce_norms(weight) if normalize_weight or want_label_norms else None
         raw = x @ weight.T  # (B, C): the one product, in autocast's dtype where autocast is on
-        if normalize_weight:
-            inv, active = norm.clamp_min(eps).reciprocal(), norm >= eps
-        else:
-            inv = active = torch.empty(0, dtype=_accumulation_dtype(raw), device=raw.device)
-        rest, raw_y, logits = torch.ops.sphereml.margin_ce_lse(raw, inv, labels, normalize_weight, return_logits)
+        norm = inv = dinv = torch.empty(0, dtype=_accumulation_dtype(raw), device=raw.device)
+        if normalize_weight or want_label_norms:
+            norm, inv, dinv = torch.ops.sphereml.margin_ce_norms(weight, eps if normalize_weight else 0.0)
+        rest, raw_y, logits = torch.ops.sphereml.margin_ce_lse(raw, inv if normalize_weight else inv[:0], labels,
+                                                               normalize_weight, return_logits)
         logit_y = raw_y * inv[labels] if normalize_weight else raw_y
         label_norms = norm[labels] if want_label_norms else rest.new_empty(0)
-        ctx.save_for_backward(x, weight, raw, inv, active, rest, labels, norm if want_label_norms else None)
+        ctx.save_for_backward(x, weight, raw, inv, dinv, rest, labels, norm if want_label_norms else None)
         ctx.normalize_weight, ctx.want_label_norms = normalize_weight, want_label_norms
         ctx.set_materialize_grads(False)  # no B x C zeros for the gradient of the logits output
         ctx.mark_non_differentiable(logits)
@@ -249,21 +261,21 @@ class _FusedLabelSplit(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_rest, grad_logit_y, grad_label_norms, _grad_logits):
-        x, weight, raw, inv, active, rest, labels, norm = ctx.saved_tensors
+        x, weight, raw, inv, dinv, rest, labels, norm = ctx.saved_tensors
         row_scale = grad_rest if grad_rest is not None else torch.zeros_like(rest)
         label_grad = grad_logit_y if grad_logit_y is not None else rest.new_empty(0)
-        g, colsum = torch.ops.sphereml.margin_ce_grad(raw, inv, labels, rest, row_scale.to(rest.dtype),
-                                                      label_grad.to(rest.dtype), ctx.normalize_weight,
-                                                      grad_logit_y is not None)
+        g, colsum = torch.ops.sphereml.margin_ce_grad(raw, inv if ctx.normalize_weight else inv[:0], labels, rest,
+                                                      row_scale.to(rest.dtype), label_grad.to(rest.dtype),
+                                                      ctx.normalize_weight, grad_logit_y is not None)
         grad_x = (g @ weight.to(g.dtype)).to(x.dtype) if ctx.needs_input_grad[0] else None
         grad_w = None
         if ctx.needs_input_grad[1]:
             grad_w = (g.T @ x.to(g.dtype)).to(weight.dtype)
-            coeff = -colsum * inv * inv * active if ctx.normalize_weight else None
+            coeff = colsum * dinv if ctx.normalize_weight else None  # d inv_j = dinv_j inv_j W_j: Note in _norms
             if ctx.want_label_norms and grad_label_norms is not None:  # d||W_j|| / dW_j = W_j / ||W_j||, 0 at 0
                 per_class = torch.zeros_like(norm).index_add_(0, labels, grad_label_norms.to(norm.dtype))
-                norm_term = per_class * torch.where(norm > 0, norm, 1.0).reciprocal() * (norm > 0)
-                coeff = norm_term if coeff is None else coeff + norm_term
+                unit = inv if not ctx.normalize_weight else torch.where(norm > 0, norm, 1.0).reciprocal() * (norm > 0)
+                coeff = per_class * unit if coeff is None else coeff + per_class * unit
             if coeff is not None:
                 grad_w.addcmul_(weight, coeff[:, None].to(weight.dtype))
         return grad_x, grad_w, None, None, None, None, None

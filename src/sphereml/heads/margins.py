@@ -25,10 +25,11 @@ head                       scale                   psi(theta_y)       source
 (``GASoftmaxLoss`` replaces cos by the SphereConv angular function g of Ch. 3 in every
 logit, so its logits are a scale times g(theta_j) rather than times cos(theta_j).)
 
-The B x C part of :meth:`loss` (the logits and the cross-entropy) is
-:func:`~sphereml.heads.margin_ce.margin_cross_entropy`'s: autograd over readable steps, or with
-``head.backend = "fused"`` Triton passes from one product (:func:`~sphereml.heads.margin_ce.label_split`); either
-way the head computes only the B target logits.
+On the reference path (the default) :meth:`loss` is autograd over readable steps: the logits, the B target
+logits written into them, ``cross_entropy``.  With ``head.backend = "fused"`` every head but GA- and W-Softmax
+takes :func:`~sphereml.heads.fused_head.fused_margin_loss` instead, one autograd node whose forward and backward
+are Triton passes from one product, with the B target logits and their derivatives from one operator
+(:mod:`~sphereml.heads.margin_tail`; each head names its target in ``_tail_spec``).
 
 Note [margin without arccos]
     The multiplicative psi needs the branch index k = floor(m theta / pi).  k is
@@ -45,12 +46,14 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch._C._functorch import is_functorch_wrapped_tensor
 
 from .._checks import integer, labels as check_labels, real_number
 from ..angular import angular_activation, angular_function, check_angular, stable_arccos
 from ..energy.triton_backend import FUSED_BACKENDS, choose_backend
 from ..geometry import normalize, safe_norm
-from .margin_ce import label_split, loss_from_rest, weight_normalized_linear
+from .fused_head import fused_margin_loss
+from .margin_ce import weight_normalized_linear
 from .schedules import LambdaSchedule
 from .targets import arcface_psi, integer_margin, multiplicative_psi, psi
 
@@ -68,6 +71,12 @@ def _detached_psi(cos: Tensor, m: float) -> Tensor:
     with torch.no_grad():
         target = psi(torch.arccos(cos.clamp(-1.0 + _ACOS_EPS, 1.0 - _ACOS_EPS)), m)
     return cos + (target - cos).detach()
+
+
+def _under_vmap(t: Tensor) -> bool:
+    """Whether ``t`` is wrapped by a torch.func transform (several seeds' heads, :mod:`sphereml.multiseed`): the
+    fused operators have no batching rules, so such heads take the reference path."""
+    return not torch.compiler.is_compiling() and is_functorch_wrapped_tensor(t)
 
 
 def _check_scale(s: float | None, allow_none: bool) -> float | None:
@@ -148,25 +157,23 @@ class _MarginHead(nn.Module):
             raise ValueError(f"backend must be one of {FUSED_BACKENDS}, got {value!r}")
         super().__setattr__(name, value)
 
-    def product_input(self, features: Tensor) -> Tensor:
-        """The features as they enter the product x W^T of the logits (scaled or normalised by the head)."""
-        return features
+    def _tail_spec(self) -> tuple[str, float, float | None] | None:
+        """(kind, m, s) of :func:`~sphereml.heads.fused_head.fused_margin_loss` for this head's target, or None."""
+        return None
 
     def _fused_loss(self, features: Tensor, labels: Tensor, want_logits: bool):
-        """The B x C part from one product (:func:`~sphereml.heads.margin_ce.label_split`), the target logit from
-        its label logit (and label rows' norms): no row of W is gathered, so dL/dW takes no C x d zeros."""
+        """The whole loss as one node (:func:`~sphereml.heads.fused_head.fused_margin_loss`): one product, the
+        passes over it, and the target logits with their derivatives from one operator."""
         self._check_features(features)
         self._check_labels(features, labels)
-        normalized = bool(self.weight_normalized)
-        rest, logit_y, norms_y, logits = label_split(self.product_input(features), self.weight, labels, normalized,
-                                                     label_norms=not normalized, return_logits=want_logits)
-        logit_y = logit_y[:, None]
-        scale_y = self._scale(features, labels) if normalized else self._scale_from_norms(features, norms_y[:, None])
-        target = self._target(self._target_cosine(features, labels, logit_y, scale_y), logit_y, scale_y)
-        return loss_from_rest(target[:, 0], rest), logits
+        kind, m, s = self._tail_spec()
+        lam = _current_lambda(self) if kind in ("multiplicative", "detached", "lsoftmax") else 0.0
+        return fused_margin_loss(features, self.weight, labels, kind, m, s, lam, bool(self.weight_normalized),
+                                 want_logits)
 
     def _loss(self, features: Tensor, labels: Tensor, want_logits: bool):
-        fused = self.weight_normalized is not None and choose_backend(self.backend, features) == "fused"
+        fused = (self._tail_spec() is not None and choose_backend(self.backend, features) == "fused"
+                 and not _under_vmap(features))
         if fused:
             value, logits = self._fused_loss(features, labels, want_logits)
         else:
@@ -200,6 +207,7 @@ class NormalizedSoftmaxLoss(_MarginHead):
         self.s = _check_scale(s, allow_none=True)
 
     def product_input(self, features: Tensor) -> Tensor:
+        """The features as they enter the product x W^T of the logits: x, or s x / ||x||."""
         return features if self.s is None else self.s * normalize(features)
 
     def logits(self, features: Tensor) -> Tensor:
@@ -213,6 +221,9 @@ class NormalizedSoftmaxLoss(_MarginHead):
 
     def _target(self, cos_y, logit_y, scale_y):
         return logit_y
+
+    def _tail_spec(self):
+        return "plain", 0.0, self.s
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, num_classes={self.num_classes}, s={self.s}"
@@ -264,14 +275,14 @@ class LSoftmaxLoss(_MarginHead):
         return features @ self.weight.T
 
     def _scale(self, features, labels):
-        return self._scale_from_norms(features, safe_norm(self.weight, dim=1)[labels][:, None])  # C norms gathered
-
-    def _scale_from_norms(self, features: Tensor, norms_y: Tensor) -> Tensor:
-        """||x|| ||W_y||, Tensor[B, 1], from the label rows' norms (Tensor[B, 1])."""
-        return safe_norm(features, dim=1, keepdim=True) * norms_y
+        """||x|| ||W_y||, Tensor[B, 1] (the C norms computed, B of them gathered)."""
+        return safe_norm(features, dim=1, keepdim=True) * safe_norm(self.weight, dim=1)[labels][:, None]
 
     def _target(self, cos_y, logit_y, scale_y):
         return _anneal(logit_y, scale_y * multiplicative_psi(cos_y, self.m), _current_lambda(self))
+
+    def _tail_spec(self):
+        return "lsoftmax", float(self.m), None
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, num_classes={self.num_classes}, m={self.m}"
@@ -311,6 +322,9 @@ class ASoftmaxLoss(NormalizedSoftmaxLoss):
         margin = _detached_psi(cos_y, self.m) if self.detach_margin else multiplicative_psi(cos_y, self.m)
         return scale_y * _anneal(cos_y, margin, _current_lambda(self))
 
+    def _tail_spec(self):
+        return "detached" if self.detach_margin else "multiplicative", float(self.m), self.s
+
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, m={self.m}, detach_margin={self.detach_margin}"
 
@@ -329,6 +343,9 @@ class CosFaceLoss(NormalizedSoftmaxLoss):
 
     def _target(self, cos_y, logit_y, scale_y):
         return scale_y * (cos_y - self.m)
+
+    def _tail_spec(self):
+        return "cosface", self.m, self.s
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, m={self.m}"
@@ -350,6 +367,9 @@ class ArcFaceLoss(NormalizedSoftmaxLoss):
 
     def _target(self, cos_y, logit_y, scale_y):
         return scale_y * arcface_psi(cos_y, self.m)
+
+    def _tail_spec(self):
+        return "arcface", self.m, self.s
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, m={self.m}"

@@ -34,7 +34,7 @@ import triton.language as tl
 
 from ..energy.triton_backend import interpreting
 
-__all__ = ["EPILOGUES", "FORWARD_BLOCKS", "BACKWARD_BLOCKS", "forward_kernel", "backward_kernel"]
+__all__ = ["EPILOGUES", "FORWARD_BLOCKS", "BACKWARD_BLOCKS", "arccos", "forward_kernel", "backward_kernel"]
 
 EPILOGUES = {"cosine": 0, "sharpen": 1, "linear": 2, "sigmoid": 3, "sqcosine": 4}
 
@@ -68,7 +68,7 @@ def _parameter(A, a_value, g, ch, cmask, CG, PARAM: tl.constexpr):
 
 
 @triton.jit
-def _arccos(c):
+def arccos(c):
     """arccos on [-1, 1]: Abramowitz and Stegun 4.4.46 on |c|, reflected for c < 0."""
     x = tl.abs(c)
     poly = -0.0012624911
@@ -112,7 +112,7 @@ def _epilogue(c, a, EPILOGUE: tl.constexpr):
         y = tl.where(c < 0, -powered, powered)
         return y, a * powered / floored, y * tl.log(floored)
     inverse_sine = tl.rsqrt(tl.maximum(1.0 - c * c, 1e-10, propagate_nan=tl.PropagateNan.ALL))
-    theta = _arccos(c)
+    theta = arccos(c)
     if EPILOGUE == 2:
         return 1.0 - theta * 0.6366197723675814, inverse_sine * 0.6366197723675814, zero
     u = (1.5707963267948966 - theta) / (2.0 * a)
