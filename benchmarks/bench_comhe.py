@@ -6,7 +6,9 @@ every step, a basis shared by equal fan-ins; AP-CoMHE with one projection, unrol
 table (E.5, seconds per 100 iterations) has RP-CoMHE at 1.36x the baseline and HS-MHE at 1.15x.
 Goal: any of them adds at most 10 % to the unregularised step.  Each candidate's aten operations per step are
 counted too (about one kernel launch each on a GPU); on CUDA the candidates of ``COMPILED`` also run compiled, the
-whole step (CUDA graphs) and the penalty alone (the network eager, as a user who compiles nothing else trains it).
+whole step (CUDA graphs) and the penalty alone (the network eager, as a user who compiles nothing else trains it),
+and those of ``FUSED_PAIRS`` eager with the batched energy's pair kernels (:mod:`sphereml.energy._pair_kernels`:
+HS-MHE's CNN-9 step 186 operations instead of 310, counted on the CPU; plain 100).
 """
 
 from __future__ import annotations
@@ -17,12 +19,14 @@ from types import SimpleNamespace
 import torch
 
 from sphereml import models
+from sphereml.energy import gram
 from sphereml.regularizers.comhe import CoMHE
 from sphereml.regularizers import MHE
 
 from .harness import SMOKE, compare, compiling, training_step
 
 COMPILED = ("none", "HS-MHE", "RP-CoMHE", "G-CoMHE")  # on CUDA, also timed compiled
+FUSED_PAIRS = ("HS-MHE", "RP-CoMHE", "G-CoMHE")  # on CUDA, also timed eager with the pair kernels (energy.gram)
 REGULARIZERS = {
     "HS-MHE": lambda net: MHE(net, half_space=True),
     "RP-CoMHE": lambda net: CoMHE(net),
@@ -30,6 +34,19 @@ REGULARIZERS = {
     "AP-CoMHE (unrolled)": lambda net: CoMHE(net, variant="angle", num_proj=1, resample_every=None),
     "G-CoMHE": lambda net: CoMHE(net, variant="group"),
 }
+
+
+def _with_pair_kernels(step):
+    """``step`` with the batched energy's pair chain as one Triton kernel each way (``gram.PAIRS_BACKEND``)."""
+    def run():
+        saved, gram.PAIRS_BACKEND = gram.PAIRS_BACKEND, "fused"
+        try:
+            step()
+        finally:
+            gram.PAIRS_BACKEND = saved
+
+    run()  # compiles the kernels before the timing
+    return run
 
 
 def run(device: torch.device, batch: int = 128, widths: tuple[int, int, int] = (64, 128, 256), repeats: int = 3,
@@ -62,6 +79,8 @@ def run(device: torch.device, batch: int = 128, widths: tuple[int, int, int] = (
                 print(f"comhe: {label} failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
                 continue
             candidates[label] = step
+        if device.type == "cuda" and name in FUSED_PAIRS:
+            candidates[f"{name} (fused pairs)"] = _with_pair_kernels(candidates[name])
     print(f"--- CNN-9 training step with a regulariser, widths {widths}, batch {batch}, 32x32x3, 100 classes")
     return compare(f"comhe_train_step_cnn9_b{batch}", candidates, baseline="none", device=device, repeats=repeats,
                    extra={"batch": batch, "widths": list(widths), "network": "CNN-9 (Table E.1)"}, count=True)
@@ -71,3 +90,27 @@ if __name__ == "__main__":
     from sphereml.train import resolve_device
 
     run(resolve_device("auto"), **({"batch": 4, "widths": (4, 8, 8), "repeats": 1} if "--smoke" in sys.argv else {}))
+
+
+def compile_check(arch: int = 90) -> list[dict]:
+    """Compile the batched energy's pair kernels (:mod:`sphereml.energy._pair_kernels`; float64, with and without
+    half-space weights, each power path) for ``sm_<arch>`` on the CPU; print registers and spills.  Must run
+    without TRITON_INTERPRET."""
+    from sphereml.energy import _pair_kernels as kernels
+
+    from .sm90 import compile_kernel
+
+    types = {"GRAM": "*fp64", "MINUS": "*fp64", "PLUS": "*fp64", "PARTIAL": "*fp64", "GRAD": "*fp64", "OUT": "*fp64",
+             "N": "i32", "n_blocks": "i32", "s": "fp64", "eps": "fp64"}
+    bm, bn, warps = kernels.PAIR_BLOCKS
+    rows = []
+    for name, kernel in (("energy", kernels.energy_kernel), ("gradient", kernels.gradient_kernel)):
+        for has_plus in (True, False):
+            for power in (2, -1):
+                constants = {"HAS_PLUS": has_plus, "POWER": power, "BM": bm, "BN": bn}
+                row = {"kernel": name, "has_plus": has_plus, "power": power,
+                       **compile_kernel(kernel, types, constants, warps, 2, arch)}
+                rows.append(row)
+                print(f"compile sm_{arch} pair {name:8s} plus={has_plus!s:5s} power={power:2d} registers "
+                      f"{row['registers']}, spill stores {row['spill_store_bytes']} B", flush=True)
+    return rows

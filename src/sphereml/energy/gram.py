@@ -2,7 +2,11 @@
 
 :func:`gram_energies_reference` is the formula written plainly and differentiated by autograd;
 :func:`gram_energies` computes the same numbers with a hand-written backward that recomputes from the Gram
-matrices (saving nothing N x N) and, on a CPU, goes through the sets in cache-sized chunks.
+matrices (saving nothing N x N) and, on a CPU, goes through the sets in cache-sized chunks.  Its pair chain is some
+twenty element-wise operations forward and forty backward per bucket, each a launch on a GPU; with
+:data:`PAIRS_BACKEND` choosing them (:func:`pairs_fused`), the euclidean chain runs instead as one Triton kernel
+each way (:mod:`~sphereml.energy._pair_kernels`, custom operators ``sphereml::gram_pair_energies`` and
+``sphereml::gram_pair_gradient``), with the same float64 arithmetic.
 
 Note [the gradient of the batched energy]
     With d_i = g_ii, v_i = 1 / sqrt(max(d_i, 1e-24)), c_ij = g_ij v_i v_j, ||w_hat_i||^2 = u_i = d_i v_i^2 and
@@ -21,8 +25,11 @@ import math
 
 import torch
 from torch import Tensor
+from torch._C._functorch import is_functorch_wrapped_tensor
 
-__all__ = ["gram_energies", "gram_energies_reference", "CPU_CHUNK"]
+from .triton_backend import choose_backend, power_path, usable_on
+
+__all__ = ["gram_energies", "gram_energies_reference", "CPU_CHUNK", "PAIRS_BACKEND", "pairs_fused"]
 
 _NORM_FLOOR_SQ = 1e-24  # (1e-12)^2: normalize's floor on the norm, applied to the squared norm g_ii
 
@@ -134,6 +141,65 @@ def _chunks(gram: Tensor) -> list[slice]:
     return [slice(i, min(i + per, count)) for i in range(0, count, per)]
 
 
+PAIRS_BACKEND = "auto"  # the pair chain: "auto" (the kernels on CUDA with SPHEREML_FUSED=1), "fused", "reference"
+
+
+def pairs_fused(gram: Tensor, metric: str) -> bool:
+    """Whether a bucket's pair chain runs as the Triton kernels of :mod:`~sphereml.energy._pair_kernels`: the
+    euclidean metric, :data:`PAIRS_BACKEND` choosing them (:func:`~sphereml.energy.triton_backend.choose_backend`),
+    Triton usable on ``gram``, and no torch.func transform around it (the kernels have no batching rule)."""
+    if metric != "euclidean" or choose_backend(PAIRS_BACKEND, gram) != "fused" or not usable_on(gram):
+        return False
+    return torch.compiler.is_compiling() or not is_functorch_wrapped_tensor(gram)
+
+
+def _pair_launch(gram: Tensor, minus: Tensor, plus: Tensor | None, s: float, eps: float, grad: Tensor | None = None):
+    """Run ``energy_kernel`` (``grad`` None: Tensor[B]) or ``gradient_kernel`` (Tensor[B, N, N])."""
+    import triton
+
+    from . import _pair_kernels as kernels
+
+    (count, rows, _), (bm, bn, warps) = gram.shape, kernels.PAIR_BLOCKS
+    gram, minus = gram.contiguous(), minus.contiguous()
+    plus_or_minus = minus if plus is None else plus.contiguous()
+    blocks = triton.cdiv(rows, bm)
+    options = {"HAS_PLUS": plus is not None, "POWER": power_path(s), "BM": bm, "BN": bn, "num_warps": warps}
+    if grad is None:
+        partial = gram.new_empty(count, blocks)
+        kernels.energy_kernel[(count, blocks)](gram, minus, plus_or_minus, partial, rows, blocks, s, eps, **options)
+        return partial.sum(1)
+    out = torch.empty_like(gram)
+    kernels.gradient_kernel[(count, blocks)](gram, minus, plus_or_minus, grad.contiguous(), out, rows, s, eps,
+                                             **options)
+    return out
+
+
+@torch.library.custom_op("sphereml::gram_pair_energies", mutates_args=())
+def _pair_energies(gram: Tensor, minus: Tensor, plus: Tensor | None, s: float, eps: float) -> Tensor:
+    """The euclidean forward of :class:`_GramEnergies`: one kernel pass (and the partial sums' sum)."""
+    if usable_on(gram):
+        return _pair_launch(gram, minus, plus, s, eps)
+    return _energy_chunk(gram, minus, plus, s, "euclidean", eps)
+
+
+@_pair_energies.register_fake
+def _(gram, minus, plus, s, eps):
+    return gram.new_empty(gram.shape[0])
+
+
+@torch.library.custom_op("sphereml::gram_pair_gradient", mutates_args=())
+def _pair_gradient(gram: Tensor, minus: Tensor, plus: Tensor | None, grad: Tensor, s: float, eps: float) -> Tensor:
+    """The euclidean backward of :class:`_GramEnergies`: dE/dgram times ``grad``, one kernel pass."""
+    if usable_on(gram):
+        return _pair_launch(gram, minus, plus, s, eps, grad)
+    return _gradient_chunk(gram, minus, plus, grad, s, "euclidean", eps)
+
+
+@_pair_gradient.register_fake
+def _(gram, minus, plus, grad, s, eps):
+    return torch.empty_like(gram)
+
+
 class _GramEnergies(torch.autograd.Function):
     """:func:`gram_energies_reference` with a hand-written backward that recomputes from the Gram matrices
     (Note [the gradient of the batched energy]): nothing N x N is saved, and on a CPU the sets go through in
@@ -150,12 +216,17 @@ class _GramEnergies(torch.autograd.Function):
 
     @staticmethod
     def forward(gram, minus, plus, s, metric, eps):
+        if pairs_fused(gram, metric):
+            return torch.ops.sphereml.gram_pair_energies(gram, minus, plus, s, eps)
         return torch.cat([_energy_chunk(gram[c], minus[c], None if plus is None else plus[c], s, metric, eps)
                           for c in _chunks(gram)])
 
     @staticmethod
     def backward(ctx, grad):
         gram, minus, plus = ctx.saved_tensors
+        s, metric, eps = ctx.options
+        if pairs_fused(gram, metric):
+            return torch.ops.sphereml.gram_pair_gradient(gram, minus, plus, grad, s, eps), None, None, None, None, None
         chunks = _chunks(gram)
         if len(chunks) == 1:
             return _gradient_chunk(gram, minus, plus, grad, *ctx.options), None, None, None, None, None
