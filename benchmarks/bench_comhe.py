@@ -79,17 +79,14 @@ def run(device: torch.device, batch: int = 128, widths: tuple[int, int, int] = (
                 print(f"comhe: {label} failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
                 continue
             candidates[label] = step
-        if device.type == "cuda" and name in FUSED_PAIRS:
-            candidates[f"{name} (fused pairs)"] = _with_pair_kernels(candidates[name])
+        if device.type == "cuda" and name in FUSED_PAIRS and name in candidates:
+            try:
+                candidates[f"{name} (fused pairs)"] = _with_pair_kernels(candidates[name])
+            except Exception as exc:  # noqa: BLE001 - report and go on
+                print(f"comhe: {name} (fused pairs) failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
     print(f"--- CNN-9 training step with a regulariser, widths {widths}, batch {batch}, 32x32x3, 100 classes")
     return compare(f"comhe_train_step_cnn9_b{batch}", candidates, baseline="none", device=device, repeats=repeats,
                    extra={"batch": batch, "widths": list(widths), "network": "CNN-9 (Table E.1)"}, count=True)
-
-
-if __name__ == "__main__":
-    from sphereml.train import resolve_device
-
-    run(resolve_device("auto"), **({"batch": 4, "widths": (4, 8, 8), "repeats": 1} if "--smoke" in sys.argv else {}))
 
 
 def compile_check(arch: int = 90) -> list[dict]:
@@ -100,13 +97,13 @@ def compile_check(arch: int = 90) -> list[dict]:
 
     from .sm90 import compile_kernel
 
-    types = {"GRAM": "*fp64", "MINUS": "*fp64", "PLUS": "*fp64", "PARTIAL": "*fp64", "GRAD": "*fp64", "OUT": "*fp64",
-             "N": "i32", "n_blocks": "i32", "s": "fp64", "eps": "fp64"}
+    types = {"GRAM": "*fp64", "MINUS": "*fp64", "PLUS": "*fp64", "PARAMS": "*fp64", "PARTIAL": "*fp64",
+             "GRAD": "*fp64", "OUT": "*fp64", "N": "i32", "n_blocks": "i32"}
     bm, bn, warps = kernels.PAIR_BLOCKS
     rows = []
     for name, kernel in (("energy", kernels.energy_kernel), ("gradient", kernels.gradient_kernel)):
         for has_plus in (True, False):
-            for power in (2, -1):
+            for power in (0, 1, 2, -1):
                 constants = {"HAS_PLUS": has_plus, "POWER": power, "BM": bm, "BN": bn}
                 row = {"kernel": name, "has_plus": has_plus, "power": power,
                        **compile_kernel(kernel, types, constants, warps, 2, arch)}
@@ -114,3 +111,10 @@ def compile_check(arch: int = 90) -> list[dict]:
                 print(f"compile sm_{arch} pair {name:8s} plus={has_plus!s:5s} power={power:2d} registers "
                       f"{row['registers']}, spill stores {row['spill_store_bytes']} B", flush=True)
     return rows
+
+
+if __name__ == "__main__":
+    from sphereml.train import resolve_device
+
+    run(resolve_device("auto"), **({"batch": 4, "widths": (4, 8, 8), "repeats": 1} if "--smoke" in sys.argv else {}))
+

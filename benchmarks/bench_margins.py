@@ -121,7 +121,7 @@ def compile_check(arch: int = 90) -> list[dict]:
              "B": "i32", "C": "i32", "d": "i32", "stride": "i32", "chunk": "i32", "n_chunks": "i32", "eps": "fp32",
              "REST": "*fp32", "RAWY": "*fp32", "XNORM": "*fp32", "WNORM": "*fp32", "LOSS_OUT": "*fp32",
              "ROW_GRAD": "*fp32", "XNORM_GRAD": "*fp32", "WNORM_GRAD": "*fp32", "s": "fp32", "a": "fp32", "b": "fp32",
-             "p0": "fp32", "p1": "fp32"}
+             "p0": "fp32", "p1": "fp32"}  # the tail's float arguments are float32 in the kernel too
     cases = [("norm", kernels.norm_kernel, kernels.NORM_BLOCKS, dtype, {"W": f"*{dtype}"}, {}, ("BR", "BD"))
              for dtype in ("fp32", "bf16")]
     for dtype in ("fp32", "bf16"):
@@ -135,8 +135,8 @@ def compile_check(arch: int = 90) -> list[dict]:
                           {"HAS_INV": has_inv, "HAS_LABEL_GRAD": True, "HAS_SCALE": True}, ("BM", "BN")))
     cases.append(("combine", kernels.combine_kernel, kernels.COMBINE_BLOCKS, "fp32", {}, {}, ("BM", "BK")))
     block, warps = kernels.TAIL_BLOCKS
-    for kind, m, has_inv, scale in ((0, 1, True, 0), (1, 1, True, 0), (2, 1, True, 0), (3, 4, True, 1),
-                                    (4, 1, True, 0), (5, 4, False, 2)):  # the heads' tails (margin_tail.TAIL_KINDS)
+    for kind, m, has_inv, scale in ((0, 1, True, 0), (0, 1, True, 1), (1, 1, True, 0), (2, 1, True, 0),
+                                    (3, 4, True, 1), (4, 1, True, 0), (5, 4, False, 2)):  # margin_tail.TAIL_KINDS
         cases.append((f"tail{kind}", kernels.tail_kernel, (block, 1, warps), "fp32", {},
                       {"KIND": kind, "M": m, "HAS_INV": has_inv, "SCALE": scale}, ("BLOCK", None)))
     rows = []

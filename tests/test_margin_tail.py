@@ -30,6 +30,8 @@ HEADS = {  # (head, kind, m, s, lambda): every fused target, with and without a 
     "A-Softmax m=3 s=20": (lambda: margins.ASoftmaxLoss(4, 5, m=3, s=20.0), "multiplicative", 3.0, 20.0, 0.0),
     "A-Softmax detached": (lambda: margins.ASoftmaxLoss(4, 5, m=1.5, s=30.0, detach_margin=True, lambda_=1.0),
                            "detached", 1.5, 30.0, 1.0),
+    "A-Softmax detached s=None": (lambda: margins.ASoftmaxLoss(4, 5, m=2.5, detach_margin=True), "detached", 2.5,
+                                  None, 0.0),
     "L-Softmax m=4 lambda=2": (lambda: margins.LSoftmaxLoss(4, 5, m=4, lambda_=2.0), "lsoftmax", 4.0, None, 2.0),
     "L-Softmax m=2 lambda=inf": (lambda: margins.LSoftmaxLoss(4, 5, m=2, lambda_=math.inf), "lsoftmax", 2.0, None,
                                  math.inf),
@@ -186,4 +188,9 @@ def test_bad_tail_arguments_are_named():
         fused_margin_loss(x, w, labels, "cosface", m=0.35, s=30.0, normalize_weight=False)
     with pytest.raises(ValueError, match="kind must be one of"):
         margin_tail(*(torch.zeros(3),) * 5, labels, "bogus", 1.0, None, 0.0)
+    rest, none = torch.zeros(3), torch.zeros(0)
+    with pytest.raises(ValueError, match="w_norm .* goes with kind 'lsoftmax'"):
+        margin_tail(rest, rest, none, rest, torch.ones(5), labels, "plain", 0.0, None, 0.0)
+    with pytest.raises(ValueError, match="x_norm must be Tensor"):
+        margin_tail(rest, rest, torch.ones(5), none, none, labels, "multiplicative", 4.0, None, 0.0)
     assert set(TAIL_KINDS) == {"plain", "cosface", "arcface", "multiplicative", "detached", "lsoftmax"}

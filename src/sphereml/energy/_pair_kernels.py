@@ -13,7 +13,8 @@ backward, one launch each on a GPU.  These two kernels do the same arithmetic, i
   dE/dg_ij = K_ij v_i v_j with the diagonal term added where j = i; K carries the incoming gradient GRAD_b.
 
 f is :func:`~sphereml.energy._triton_kernels.riesz` (its fast paths for s = 0, 1, 2), floored at r^2 = eps with a
-zero slope below it, as in every backend.
+zero slope below it, as in every backend.  s, eps and the norm floor 1e-24 are read from PARAMS (Tensor[3], float64):
+a Python float argument would reach a compiled kernel as a float32.
 """
 
 import triton
@@ -28,22 +29,22 @@ PAIR_BLOCKS = (16, 16, 1) if interpreting() else (32, 32, 8)  # (rows, columns, 
 
 
 @triton.jit
-def _row_terms(GRAM, base, idx, mask, N):
-    """v = 1 / sqrt(max(g_ii, 1e-24)) and u = g_ii v^2 for the indices ``idx`` of one set."""
+def _row_terms(GRAM, base, idx, mask, N, floor):
+    """v = 1 / sqrt(max(g_ii, floor)) and u = g_ii v^2 for the indices ``idx`` of one set (floor = 1e-24)."""
     diag = tl.load(GRAM + base + idx.to(tl.int64) * (N + 1), mask=mask, other=0.0)
-    v = 1.0 / tl.sqrt(tl.maximum(diag, 1e-24))
+    v = 1.0 / tl.sqrt(tl.maximum(diag, floor))
     return diag, v, diag * v * v
 
 
 @triton.jit
-def _tile(GRAM, MINUS, PLUS, base, rows, cols, rmask, N, v_r, u_r, s, eps, HAS_PLUS: tl.constexpr,
+def _tile(GRAM, MINUS, PLUS, base, rows, cols, rmask, N, v_r, u_r, s, eps, floor, HAS_PLUS: tl.constexpr,
           POWER: tl.constexpr):
     """For one (BM, BN) tile: (weighted values, slopes a = MINUS f'(r^2_-), b = PLUS f'(r^2_+), cosines, v_j)."""
     cmask = cols < N
     inside = rmask[:, None] & cmask[None, :]
     offsets = base + rows[:, None].to(tl.int64) * N + cols[None, :]
     g = tl.load(GRAM + offsets, mask=inside, other=0.0)
-    _, v_c, u_c = _row_terms(GRAM, base, cols, cmask, N)
+    _, v_c, u_c = _row_terms(GRAM, base, cols, cmask, N, floor)
     cos = g * v_r[:, None] * v_c[None, :]
     pair_base = u_r[:, None] + u_c[None, :]
     minus = tl.load(MINUS + offsets, mask=inside, other=0.0)
@@ -59,46 +60,51 @@ def _tile(GRAM, MINUS, PLUS, base, rows, cols, rmask, N, v_r, u_r, s, eps, HAS_P
 
 
 @triton.jit
-def energy_kernel(GRAM, MINUS, PLUS, PARTIAL, N, n_blocks, s, eps, HAS_PLUS: tl.constexpr, POWER: tl.constexpr,
+def energy_kernel(GRAM, MINUS, PLUS, PARAMS, PARTIAL, N, n_blocks, HAS_PLUS: tl.constexpr, POWER: tl.constexpr,
                   BM: tl.constexpr, BN: tl.constexpr):
     """PARTIAL[b, i] = sum over rows i * BM.. and all columns of the weighted pair values of set b."""
+    s, eps, floor = tl.load(PARAMS), tl.load(PARAMS + 1), tl.load(PARAMS + 2)
     b, block = tl.program_id(0), tl.program_id(1)
     base = b.to(tl.int64) * N * N
     rows = block * BM + tl.arange(0, BM)
     rmask = rows < N
-    _, v_r, u_r = _row_terms(GRAM, base, rows, rmask, N)
+    _, v_r, u_r = _row_terms(GRAM, base, rows, rmask, N, floor)
     acc = tl.zeros((BM,), tl.float64)
     for col0 in range(0, N, BN):
         cols = col0 + tl.arange(0, BN)
-        tile = _tile(GRAM, MINUS, PLUS, base, rows, cols, rmask, N, v_r, u_r, s, eps, HAS_PLUS, POWER)
+        tile = _tile(GRAM, MINUS, PLUS, base, rows, cols, rmask, N, v_r, u_r, s, eps, floor, HAS_PLUS,
+                     POWER)
         acc += tl.sum(tile[0], axis=1)
     tl.store(PARTIAL + b.to(tl.int64) * n_blocks + block, tl.sum(acc, axis=0))
 
 
 @triton.jit
-def gradient_kernel(GRAM, MINUS, PLUS, GRAD, OUT, N, s, eps, HAS_PLUS: tl.constexpr, POWER: tl.constexpr,
+def gradient_kernel(GRAM, MINUS, PLUS, PARAMS, GRAD, OUT, N, HAS_PLUS: tl.constexpr, POWER: tl.constexpr,
                     BM: tl.constexpr, BN: tl.constexpr):
     """OUT[b] = dE_b/dGRAM[b] * GRAD[b] for rows i * BM.. (Note [the gradient of the batched energy])."""
+    s, eps, floor = tl.load(PARAMS), tl.load(PARAMS + 1), tl.load(PARAMS + 2)
     b, block = tl.program_id(0), tl.program_id(1)
     base = b.to(tl.int64) * N * N
     grad = tl.load(GRAD + b)
     rows = block * BM + tl.arange(0, BM)
     rmask = rows < N
-    diag, v_r, u_r = _row_terms(GRAM, base, rows, rmask, N)
+    diag, v_r, u_r = _row_terms(GRAM, base, rows, rmask, N, floor)
     k_cos = tl.zeros((BM,), tl.float64)
     slopes = tl.zeros((BM,), tl.float64)
     for col0 in range(0, N, BN):  # first sweep: the row sums the diagonal needs
         cols = col0 + tl.arange(0, BN)
-        tile = _tile(GRAM, MINUS, PLUS, base, rows, cols, rmask, N, v_r, u_r, s, eps, HAS_PLUS, POWER)
+        tile = _tile(GRAM, MINUS, PLUS, base, rows, cols, rmask, N, v_r, u_r, s, eps, floor, HAS_PLUS,
+                     POWER)
         a, bb, cos = tile[1], tile[2], tile[3]
         k = (2.0 * bb - 2.0 * a) * grad
         k_cos += tl.sum(k * cos, axis=1)
         slopes += tl.sum(a + bb, axis=1)
-    floored = diag <= 1e-24
+    floored = diag <= floor
     diagonal = tl.where(floored, 2.0 * slopes * grad * v_r * v_r, -k_cos * v_r * v_r)
     for col0 in range(0, N, BN):  # second sweep: dE/dg_ij, the diagonal term where j = i
         cols = col0 + tl.arange(0, BN)
-        tile = _tile(GRAM, MINUS, PLUS, base, rows, cols, rmask, N, v_r, u_r, s, eps, HAS_PLUS, POWER)
+        tile = _tile(GRAM, MINUS, PLUS, base, rows, cols, rmask, N, v_r, u_r, s, eps, floor, HAS_PLUS,
+                     POWER)
         a, bb, v_c, offsets, inside = tile[1], tile[2], tile[4], tile[5], tile[6]
         out = (2.0 * bb - 2.0 * a) * grad * v_r[:, None] * v_c[None, :]
         out = tl.where(rows[:, None] == cols[None, :], out + diagonal[:, None], out)

@@ -162,16 +162,28 @@ def _pair_launch(gram: Tensor, minus: Tensor, plus: Tensor | None, s: float, eps
     (count, rows, _), (bm, bn, warps) = gram.shape, kernels.PAIR_BLOCKS
     gram, minus = gram.contiguous(), minus.contiguous()
     plus_or_minus = minus if plus is None else plus.contiguous()
+    params = _kernel_params(s, eps, gram.device)
     blocks = triton.cdiv(rows, bm)
     options = {"HAS_PLUS": plus is not None, "POWER": power_path(s), "BM": bm, "BN": bn, "num_warps": warps}
     if grad is None:
         partial = gram.new_empty(count, blocks)
-        kernels.energy_kernel[(count, blocks)](gram, minus, plus_or_minus, partial, rows, blocks, s, eps, **options)
+        kernels.energy_kernel[(count, blocks)](gram, minus, plus_or_minus, params, partial, rows, blocks, **options)
         return partial.sum(1)
     out = torch.empty_like(gram)
-    kernels.gradient_kernel[(count, blocks)](gram, minus, plus_or_minus, grad.contiguous(), out, rows, s, eps,
+    kernels.gradient_kernel[(count, blocks)](gram, minus, plus_or_minus, params, grad.contiguous(), out, rows,
                                              **options)
     return out
+
+
+_PARAMS: dict = {}  # (s, eps, device) -> Tensor[3] float64 on that device, made once (no copy per step)
+
+
+def _kernel_params(s: float, eps: float, device: torch.device) -> Tensor:
+    """(s, eps, the squared-norm floor) as float64 on ``device``: a float argument would reach the kernel as fp32."""
+    key = (s, eps, device)
+    if key not in _PARAMS:
+        _PARAMS[key] = torch.tensor([s, eps, _NORM_FLOOR_SQ], dtype=torch.float64, device=device)
+    return _PARAMS[key]
 
 
 @torch.library.custom_op("sphereml::gram_pair_energies", mutates_args=())

@@ -36,8 +36,8 @@ __all__ = ["NORM_BLOCKS", "LSE_BLOCKS", "COMBINE_BLOCKS", "GRAD_BLOCKS", "TAIL_B
            "combine_kernel", "grad_kernel", "tail_kernel"]
 
 # (rows, columns, warps): small under the interpreter (each tile is numpy work there), Hopper-sized on a GPU, chosen
-# by registers compiled for sm_90a (benchmarks.bench_margins.compile_check; lse 72-122, grad 92-102, no spills),
-# not yet timed on one
+# by registers compiled for sm_90a (benchmarks.bench_margins.compile_check; norm 56, lse 91-122, grad 77-123,
+# combine 113, tail 56-96, no spills), not yet timed on one
 NORM_BLOCKS = (4, 32, 4) if interpreting() else (8, 128, 4)
 LSE_BLOCKS = (16, 32, 4) if interpreting() else (8, 256, 4)
 COMBINE_BLOCKS = (16, 16, 4) if interpreting() else (64, 32, 4)
@@ -209,7 +209,7 @@ def _tail_target(z, n, s_floor, KIND: tl.constexpr, M: tl.constexpr, a, b, p0, p
 
 @triton.jit
 def tail_kernel(REST, RAWY, INV, XNORM, WNORM, LABELS, LOSS_OUT, ROW_GRAD, LABEL_GRAD, XNORM_GRAD, WNORM_GRAD, B,
-                s, a, b, p0, p1, KIND: tl.constexpr, M: tl.constexpr, HAS_INV: tl.constexpr, SCALE: tl.constexpr,
+                C, s, a, b, p0, p1, KIND: tl.constexpr, M: tl.constexpr, HAS_INV: tl.constexpr, SCALE: tl.constexpr,
                 BLOCK: tl.constexpr):
     """One program over all B rows (a deterministic mean): the target t_b, the loss mean_b [logaddexp(t_b, rest_b)
     - t_b] and dL/drest_b, dL/dz_b, dL/d||x_b|| (SCALE 1, 2), dL/d||W_y_b|| (SCALE 2).  SCALE: 0 n = s, 1 n = ||x_b||,
@@ -221,8 +221,9 @@ def tail_kernel(REST, RAWY, INV, XNORM, WNORM, LABELS, LOSS_OUT, ROW_GRAD, LABEL
         rest = tl.load(REST + rows, mask=rmask, other=0.0)
         z = tl.load(RAWY + rows, mask=rmask, other=0.0)
         labels = tl.load(LABELS + rows, mask=rmask, other=0)
+        known = rmask & (labels >= 0) & (labels < C)  # a label out of range reads nothing (not checked on a GPU)
         if HAS_INV:
-            z = z * tl.load(INV + labels, mask=rmask, other=0.0)
+            z = z * tl.load(INV + labels, mask=known, other=0.0)
         if SCALE == 0:
             n = tl.zeros((BLOCK,), tl.float32) + s
         elif KIND == 0:
@@ -231,7 +232,7 @@ def tail_kernel(REST, RAWY, INV, XNORM, WNORM, LABELS, LOSS_OUT, ROW_GRAD, LABEL
             x_norm = tl.load(XNORM + rows, mask=rmask, other=0.0)
             n = x_norm
             if SCALE == 2:
-                w_norm = tl.load(WNORM + labels, mask=rmask, other=0.0)
+                w_norm = tl.load(WNORM + labels, mask=known, other=0.0)
                 n = x_norm * w_norm
         t, dt_dz, dt_dn = _tail_target(z, n, 1e-12, KIND, M, a, b, p0, p1)
         big = tl.maximum(t, rest)

@@ -69,7 +69,7 @@ class _FusedMarginLoss(torch.autograd.Function):
         grad_x = grad_w = None
         if ctx.needs_input_grad[1]:
             grad_w = (g.T @ product_input.to(g.dtype)).to(weight.dtype)
-            if normalized:  # d inv_j / dW_j = dinv_j inv_j W_j, and colsum_j = sum_b g'_bj z_bj = dL/dinv_j inv_j
+            if normalized:  # d inv_j / dW_j = dinv_j inv_j^2 W_j, colsum_j = sum_b g'_bj z_bj = dL/dinv_j inv_j^2
                 coeff = colsum * w_dinv
             else:  # L-Softmax: d||W_j|| / dW_j = W_j / ||W_j|| (w_inv = 1 / ||W_j||, 0 for a zero row)
                 per_class = torch.zeros_like(w_inv).index_add_(0, labels, w_norm_grad * grad_loss)

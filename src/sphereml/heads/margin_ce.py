@@ -119,12 +119,12 @@ def _logits_dtype(raw: Tensor, has_inv: bool) -> torch.dtype:
 def _norms(weight: Tensor, eps: float) -> tuple[Tensor, Tensor, Tensor]:
     """For every row: (||W_j||, inv_j = 1 / max(||W_j||, eps) (0 for a zero row when eps = 0), dinv_j = -inv_j where
     ||W_j|| >= eps and 0 elsewhere), each Tensor[C], float32 (float64 for float64); one pass over W on the kernels.
-    d inv_j / dW_j = dinv_j inv_j W_j, so dinv carries the gradient through the norm's floor."""
+    d inv_j / dW_j = dinv_j inv_j^2 W_j, so dinv carries the gradient through the norm's floor."""
     if _on_kernels(weight):
         return _triton_norms(weight, eps)
     norm = safe_norm(weight.to(_accumulation_dtype(weight)), dim=1)
     floor = norm.clamp_min(eps)
-    inv = torch.where(floor > 0, floor, 1.0).reciprocal() * (floor > 0)
+    inv = (torch.where(floor > 0, floor, 1.0).reciprocal() * (floor > 0)).clamp_max(torch.finfo(norm.dtype).max)
     return norm, inv, -inv * ((norm >= eps) & (norm > 0))
 
 
@@ -271,7 +271,7 @@ class _FusedLabelSplit(torch.autograd.Function):
         grad_w = None
         if ctx.needs_input_grad[1]:
             grad_w = (g.T @ x.to(g.dtype)).to(weight.dtype)
-            coeff = colsum * dinv if ctx.normalize_weight else None  # d inv_j = dinv_j inv_j W_j: Note in _norms
+            coeff = colsum * dinv if ctx.normalize_weight else None  # d inv_j = dinv_j inv_j^2 W_j: Note in _norms
             if ctx.want_label_norms and grad_label_norms is not None:  # d||W_j|| / dW_j = W_j / ||W_j||, 0 at 0
                 per_class = torch.zeros_like(norm).index_add_(0, labels, grad_label_norms.to(norm.dtype))
                 unit = inv if not ctx.normalize_weight else torch.where(norm > 0, norm, 1.0).reciprocal() * (norm > 0)

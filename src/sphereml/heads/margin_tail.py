@@ -160,6 +160,9 @@ def _triton_tail(rest, raw_y, inv, x_norm, w_norm, labels, kind, m, s, a, b):
     from . import _margin_kernels as kernels
 
     bsz = rest.shape[0]
+    if bsz == 0:  # no rows: the mean of nothing, as the reference's cross_entropy
+        return _reference_tail(rest, raw_y, inv, x_norm, w_norm, labels, kind, m, s, a, b)
+    rest, raw_y, inv, x_norm, w_norm = (t.contiguous() for t in (rest, raw_y, inv, x_norm, w_norm))
     params = {"cosface": (m, 0.0), "arcface": (math.cos(m), math.sin(m)), "detached": (m, math.ceil(m) - 1.0)}
     p0, p1 = params.get(kind, (0.0, 0.0))
     loss = rest.new_empty(1)
@@ -169,7 +172,8 @@ def _triton_tail(rest, raw_y, inv, x_norm, w_norm, labels, kind, m, s, a, b):
     block, warps = kernels.TAIL_BLOCKS
     kernels.tail_kernel[(1,)](rest, raw_y, _placeholder(inv), _placeholder(x_norm), _placeholder(w_norm),
                               labels.contiguous(), loss, row_grad, label_grad, _placeholder(x_grad),
-                              _placeholder(w_grad), bsz, s, a, b, p0, p1, KIND=TAIL_KINDS.index(kind),
+                              _placeholder(w_grad), bsz, max(inv.numel(), w_norm.numel(), 1), s, a, b, p0, p1,
+                              KIND=TAIL_KINDS.index(kind),
                               M=int(m) if kind in ("multiplicative", "lsoftmax") else 1, HAS_INV=bool(inv.numel()),
                               SCALE=0 if s > 0 else (2 if w_norm.numel() else 1), BLOCK=block, num_warps=warps)
     return loss[0], row_grad, label_grad, x_grad, w_grad
@@ -194,6 +198,11 @@ def margin_tail(rest: Tensor, raw_y: Tensor, inv: Tensor, x_norm: Tensor, w_norm
     """
     if kind not in TAIL_KINDS:
         raise ValueError(f"kind must be one of {TAIL_KINDS}, got {kind!r}")
+    if w_norm.numel() and (kind != "lsoftmax" or s is not None):
+        raise ValueError(f"w_norm (the class norms in the scale) goes with kind 'lsoftmax' and s None, got {kind!r}")
+    if s is None and kind != "plain" and x_norm.shape != rest.shape:
+        raise ValueError(f"s None scales by ||x_b||: x_norm must be Tensor[{rest.shape[0]}], got "
+                         f"{tuple(x_norm.shape)}")
     a, b = anneal_weights(lam)
     return torch.ops.sphereml.margin_tail(rest, raw_y, inv, x_norm, w_norm, labels, kind, float(m),
                                           0.0 if s is None else float(s), a, b)

@@ -173,7 +173,7 @@ class _MarginHead(nn.Module):
 
     def _loss(self, features: Tensor, labels: Tensor, want_logits: bool):
         fused = (self._tail_spec() is not None and choose_backend(self.backend, features) == "fused"
-                 and not _under_vmap(features))
+                 and not _under_vmap(features) and not _under_vmap(self.weight))
         if fused:
             value, logits = self._fused_loss(features, labels, want_logits)
         else:
