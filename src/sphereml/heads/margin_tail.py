@@ -14,9 +14,9 @@ operation for them at all: it scales them by the loss's incoming gradient inside
 
 Note [tail derivatives]
     With c = clamp(q, -1, 1), q = z / max(n, 1e-12) (the target cosine of ``_MarginHead._target_cosine``):
-    dc/dz = [|q| <= 1] / max(n, 1e-12) and dc/dn = -[|q| <= 1] [n >= 1e-12] q / max(n, 1e-12), the clamps passing
-    their gradient where PyTorch's do.  Each kind gives T and its partials in (c, z, n); a, b = lambda / (1 +
-    lambda), 1 / (1 + lambda) are the annealing weights (§2.2.7; lambda = inf: a = 1, b = 0):
+    dc/dz = [-1 <= q <= 1] / max(n, 1e-12) and dc/dn = -[-1 <= q <= 1] [n >= 1e-12] q / max(n, 1e-12), the
+    clamps passing their gradient where PyTorch's do.  Each kind gives T and its partials in (c, z, n); a, b =
+    lambda / (1 + lambda), 1 / (1 + lambda) are the annealing weights (§2.2.7; lambda = inf: a = 1, b = 0):
 
     ==================  ============================================  ======================================
     kind                T                                             head
