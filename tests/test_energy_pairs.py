@@ -65,17 +65,18 @@ def test_pair_operators_pass_opcheck():
 
 
 def _small_net():
+    """Three convolutions and a linear layer (four fan-ins), on the device the kernels run on."""
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.ReLU(), torch.nn.Conv2d(8, 16, 3),
-                               torch.nn.ReLU(), torch.nn.Conv2d(16, 16, 3), torch.nn.Flatten(),
-                               torch.nn.LazyLinear(10))
+    net = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.ReLU(), torch.nn.Conv2d(8, 16, 3),
+                              torch.nn.ReLU(), torch.nn.Conv2d(16, 16, 3), torch.nn.Flatten(), torch.nn.LazyLinear(10))
+    net(torch.randn(1, 3, 9, 9))
+    return net.to(DEVICE)
 
 
 @pytest.mark.parametrize("half_space", [False, True])
 def test_mhe_with_the_pair_kernels_equals_the_chain(monkeypatch, half_space):
     """MHE's penalty and its gradient through the kernels: those of the PyTorch chain, on every layer."""
     net = _small_net()
-    net(torch.randn(1, 3, 9, 9))
     reg = R.MHE(net, half_space=half_space)
     results = {}
     for backend in ("reference", "fused"):
@@ -99,10 +100,10 @@ def test_pair_kernels_cut_a_cnn9_step_by_one_chain_per_bucket(monkeypatch):
     counts = {}
     for backend in ("reference", "fused"):
         monkeypatch.setattr(gram, "PAIRS_BACKEND", backend)
-        net = _cnn9(widths=(8, 16, 32))
+        net = _cnn9(widths=(8, 16, 32)).to(DEVICE)
         reg = REGULARIZERS["HS-MHE"](net)
         counts[backend] = launches.count_ops(_step(net, reg.weighted_penalty)).total
-    buckets = len(reg._engine.engine.prepare(torch.device("cpu"))[0])
+    buckets = len(reg._engine.engine.prepare(torch.device(DEVICE))[0])
     assert buckets >= 2 and counts["fused"] <= counts["reference"] - 45 * buckets, (buckets, counts)
 
 
@@ -118,7 +119,6 @@ def test_mhe_with_the_pair_kernels_compiles_as_one_graph(monkeypatch):
     monkeypatch.setattr(gram, "PAIRS_BACKEND", "fused")
     torch.compiler.reset()
     net = _small_net()
-    net(torch.randn(1, 3, 9, 9))
     reg = R.MHE(net, half_space=True)
     compiled = torch.compile(reg.penalty, fullgraph=True, backend="aot_eager")
     value = compiled()
@@ -144,7 +144,6 @@ def test_pair_kernels_leave_vmap_to_the_chain(monkeypatch):
 def test_mhe_with_the_pair_kernels_reads_nothing_on_the_host(monkeypatch):
     monkeypatch.setattr(gram, "PAIRS_BACKEND", "fused")
     net = _small_net()
-    net(torch.randn(1, 3, 9, 9))
     reg = R.MHE(net, half_space=True)
     reg.penalty()  # the device constants, made once
     with launches.no_host_sync():
