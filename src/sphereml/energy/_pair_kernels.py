@@ -60,14 +60,19 @@ def _tile(GRAM, MINUS, PLUS, base, rows, cols, rmask, N, v_r, u_r, s, eps, floor
 
 
 @triton.jit
+def _program(PARAMS, N, BM: tl.constexpr):
+    """(s, eps, the norm floor; the program's set b, its row block, the set's offset, its rows and their mask)."""
+    b, block = tl.program_id(0), tl.program_id(1)
+    rows = block * BM + tl.arange(0, BM)
+    return (tl.load(PARAMS), tl.load(PARAMS + 1), tl.load(PARAMS + 2), b, block, b.to(tl.int64) * N * N, rows,
+            rows < N)
+
+
+@triton.jit
 def energy_kernel(GRAM, MINUS, PLUS, PARAMS, PARTIAL, N, n_blocks, HAS_PLUS: tl.constexpr, POWER: tl.constexpr,
                   BM: tl.constexpr, BN: tl.constexpr):
     """PARTIAL[b, i] = sum over rows i * BM.. and all columns of the weighted pair values of set b."""
-    s, eps, floor = tl.load(PARAMS), tl.load(PARAMS + 1), tl.load(PARAMS + 2)
-    b, block = tl.program_id(0), tl.program_id(1)
-    base = b.to(tl.int64) * N * N
-    rows = block * BM + tl.arange(0, BM)
-    rmask = rows < N
+    s, eps, floor, b, block, base, rows, rmask = _program(PARAMS, N, BM)
     _, v_r, u_r = _row_terms(GRAM, base, rows, rmask, N, floor)
     acc = tl.zeros((BM,), tl.float64)
     for col0 in range(0, N, BN):
@@ -82,12 +87,8 @@ def energy_kernel(GRAM, MINUS, PLUS, PARAMS, PARTIAL, N, n_blocks, HAS_PLUS: tl.
 def gradient_kernel(GRAM, MINUS, PLUS, PARAMS, GRAD, OUT, N, HAS_PLUS: tl.constexpr, POWER: tl.constexpr,
                     BM: tl.constexpr, BN: tl.constexpr):
     """OUT[b] = dE_b/dGRAM[b] * GRAD[b] for rows i * BM.. (Note [the gradient of the batched energy])."""
-    s, eps, floor = tl.load(PARAMS), tl.load(PARAMS + 1), tl.load(PARAMS + 2)
-    b, block = tl.program_id(0), tl.program_id(1)
-    base = b.to(tl.int64) * N * N
+    s, eps, floor, b, block, base, rows, rmask = _program(PARAMS, N, BM)
     grad = tl.load(GRAD + b)
-    rows = block * BM + tl.arange(0, BM)
-    rmask = rows < N
     diag, v_r, u_r = _row_terms(GRAM, base, rows, rmask, N, floor)
     k_cos = tl.zeros((BM,), tl.float64)
     slopes = tl.zeros((BM,), tl.float64)
