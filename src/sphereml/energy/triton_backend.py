@@ -62,7 +62,7 @@ from torch import Tensor
 
 from .kernels import CLOSE_R2
 
-__all__ = ["TRITON_DTYPES", "PRECISIONS", "TUNE_CAP", "triton_importable", "interpreting", "usable_on",
+__all__ = ["TRITON_DTYPES", "PRECISIONS", "TUNE_CAP", "triton_importable", "interpreting", "usable_on", "launchable",
            "FUSED_BACKENDS", "choose_backend", "matmul_precision", "power_path", "TritonEnergy", "triton_energy"]
 
 TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -87,6 +87,12 @@ def interpreting() -> bool:
 def usable_on(points: Tensor) -> bool:
     """Triton can run here: importable, and CUDA tensors (or CPU tensors under the interpreter)."""
     return triton_importable() and (points.is_cuda or (interpreting() and points.device.type == "cpu"))
+
+
+def launchable(t: Tensor) -> Tensor:
+    """``t``, or one element when it is empty: an empty CUDA tensor has a null pointer, which Triton's launcher
+    refuses even for an argument the kernel never reads."""
+    return t if t.numel() else t.new_empty(1)
 
 
 def choose_backend(backend: str, x: Tensor, fusable: bool = True) -> str:

@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..energy.triton_backend import choose_backend, usable_on
+from ..energy.triton_backend import choose_backend, launchable, usable_on
 from ..geometry import safe_norm
 
 __all__ = ["WeightNormalizedLinear", "weight_normalized_linear", "margin_cross_entropy", "label_split",
@@ -189,12 +189,6 @@ def _kernels():
     return triton, _margin_kernels
 
 
-def _placeholder(t: Tensor) -> Tensor:
-    """``t``, or one float when it is empty: an empty CUDA tensor has a null pointer, which Triton's
-    launcher refuses even for an argument the kernel never reads."""
-    return t if t.numel() else t.new_empty(1)
-
-
 def _triton_norms(weight, eps):
     triton, kernels = _kernels()
     (c, d), (br, bd, warps) = weight.shape, kernels.NORM_BLOCKS
@@ -208,7 +202,7 @@ def _triton_norms(weight, eps):
 def _triton_lse(raw, inv, labels, has_inv, write_logits):
     triton, kernels = _kernels()
     (b, c), (bm, bn, warps) = raw.shape, kernels.LSE_BLOCKS
-    raw, inv, labels = raw.contiguous(), _placeholder(inv), labels.contiguous()  # the kernels assume stride 1
+    raw, inv, labels = raw.contiguous(), launchable(inv), labels.contiguous()  # the kernels assume stride 1
     row_blocks = triton.cdiv(b, bm)
     n_chunks = max(1, min(triton.cdiv(c, bn), triton.cdiv(4 * 132, max(row_blocks, 1))))  # ~4 programs per H100 SM
     chunk = triton.cdiv(triton.cdiv(c, n_chunks), bn) * bn  # a multiple of BN: tiles never straddle chunks
@@ -227,7 +221,7 @@ def _triton_lse(raw, inv, labels, has_inv, write_logits):
 def _triton_grad(raw, inv, labels, lse, row_scale, label_grad, has_inv, has_label_grad, scale):
     triton, kernels = _kernels()
     (b, c), (bm, bn, warps) = raw.shape, kernels.GRAD_BLOCKS
-    raw, inv, labels, label_grad = raw.contiguous(), _placeholder(inv), labels.contiguous(), _placeholder(label_grad)
+    raw, inv, labels, label_grad = raw.contiguous(), launchable(inv), labels.contiguous(), launchable(label_grad)
     grid = (triton.cdiv(b, bm), triton.cdiv(c, bn))
     grad = torch.empty_like(raw)
     partial = torch.empty(grid[0] if has_inv else 1, c, dtype=torch.float32, device=raw.device)

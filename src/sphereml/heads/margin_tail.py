@@ -45,8 +45,8 @@ import math
 import torch
 from torch import Tensor
 
-from ..energy.triton_backend import usable_on
-from .targets import arcface_psi
+from ..energy.triton_backend import launchable, usable_on
+from .targets import arcface_psi, multiplicative_branch, psi
 
 __all__ = ["TAIL_KINDS", "SCALE_FLOOR", "anneal_weights", "tail_terms", "margin_tail"]
 
@@ -63,19 +63,11 @@ def anneal_weights(lam: float) -> tuple[float, float]:
 
 def _psi_and_slope(c: Tensor, m: int) -> tuple[Tensor, Tensor]:
     """psi_m(c) of eq. 2.8 and d psi_m / dc = (-1)^k T_m'(c), k = floor(m arccos(c) / pi) in 0..m-1."""
-    k = torch.floor(torch.arccos(c) * m / math.pi).clamp(0, m - 1)
-    sign = 1 - 2 * torch.remainder(k, 2)
+    k, sign = multiplicative_branch(c, m)
     prev, cur, dprev, dcur = torch.ones_like(c), c, torch.zeros_like(c), torch.ones_like(c)
     for _ in range(m - 1):
         prev, cur, dprev, dcur = cur, 2 * c * cur - prev, dcur, 2 * cur + 2 * c * dcur - dprev
     return sign * cur - 2 * k, sign * dcur
-
-
-def _detached_value(c: Tensor, m: float) -> Tensor:
-    """psi(theta) of eq. 2.6 for a real m, theta = arccos(c) with c kept 1e-7 inside [-1, 1]."""
-    theta = torch.arccos(c.clamp(-1.0 + _DETACHED_EPS, 1.0 - _DETACHED_EPS))
-    k = torch.floor(theta * m / math.pi).clamp(0, math.ceil(m) - 1)
-    return (1 - 2 * torch.remainder(k, 2)) * torch.cos(m * theta) - 2 * k
 
 
 def _arcface_slope(c: Tensor, m: float) -> Tensor:
@@ -107,7 +99,7 @@ def tail_terms(z: Tensor, n: Tensor, kind: str, m: float,
         value, slope = _psi_and_slope(c, int(m))
         t, dt_dc, direct_n = n * (a * c + b * value), n * (a + b * slope), a * c + b * value
     elif kind == "detached":
-        target = a * c + b * _detached_value(c, m)
+        target = a * c + b * psi(torch.arccos(c.clamp(-1.0 + _DETACHED_EPS, 1.0 - _DETACHED_EPS)), m)
         t, dt_dc, direct_n = n * target, n * (a + b), target
     elif kind == "lsoftmax":
         value, slope = _psi_and_slope(c, int(m))
@@ -152,10 +144,6 @@ def _(rest, raw_y, inv, x_norm, w_norm, labels, kind, m, s, a, b):
             rest.new_empty(0 if s > 0 else rest.shape[0]), rest.new_empty(rest.shape[0] if w_norm.numel() else 0))
 
 
-def _placeholder(t: Tensor) -> Tensor:
-    return t if t.numel() else t.new_empty(1)  # Triton's launcher refuses a null pointer even when unread
-
-
 def _triton_tail(rest, raw_y, inv, x_norm, w_norm, labels, kind, m, s, a, b):
     from . import _margin_kernels as kernels
 
@@ -170,9 +158,9 @@ def _triton_tail(rest, raw_y, inv, x_norm, w_norm, labels, kind, m, s, a, b):
     x_grad = rest.new_empty(0 if s > 0 else bsz)
     w_grad = rest.new_empty(bsz if w_norm.numel() else 0)
     block, warps = kernels.TAIL_BLOCKS
-    kernels.tail_kernel[(1,)](rest, raw_y, _placeholder(inv), _placeholder(x_norm), _placeholder(w_norm),
-                              labels.contiguous(), loss, row_grad, label_grad, _placeholder(x_grad),
-                              _placeholder(w_grad), bsz, max(inv.numel(), w_norm.numel(), 1), s, a, b, p0, p1,
+    kernels.tail_kernel[(1,)](rest, raw_y, launchable(inv), launchable(x_norm), launchable(w_norm),
+                              labels.contiguous(), loss, row_grad, label_grad, launchable(x_grad),
+                              launchable(w_grad), bsz, max(inv.numel(), w_norm.numel(), 1), s, a, b, p0, p1,
                               KIND=TAIL_KINDS.index(kind),
                               M=int(m) if kind in ("multiplicative", "lsoftmax") else 1, HAS_INV=bool(inv.numel()),
                               SCALE=0 if s > 0 else (2 if w_norm.numel() else 1), BLOCK=block, num_warps=warps)

@@ -4,7 +4,7 @@
 * :func:`psi` — the monotone multiplicative target of L- and A-Softmax, from the angle (eq. 2.6), for plots
   and tests;
 * :func:`multiplicative_psi` — the same from the cosine, with no arccos in the gradient (eq. 2.8; Note
-  [margin without arccos] in :mod:`sphereml.heads.margins`);
+  [margin without arccos] in :mod:`sphereml.heads.margins`), its branch index from :func:`multiplicative_branch`;
 * :func:`arcface_psi` — the additive angular margin cos(theta + m), made monotone on [0, pi];
 * :func:`integer_margin` — the check that m is an integer >= 1, for the multiple-angle formula.
 """
@@ -18,7 +18,7 @@ from torch import Tensor
 
 from .._checks import real_number
 
-__all__ = ["integer_margin", "chebyshev_cos", "psi", "multiplicative_psi", "arcface_psi"]
+__all__ = ["integer_margin", "chebyshev_cos", "psi", "multiplicative_branch", "multiplicative_psi", "arcface_psi"]
 
 
 def integer_margin(m) -> int:
@@ -92,11 +92,16 @@ def multiplicative_psi(cos: Tensor, m: int) -> Tensor:
         Tensor of the same shape, (-1)^k T_m(c) - 2k with k = floor(m arccos(c) / pi) in 0..m-1.
     """
     m = integer_margin(m)
+    k, sign = multiplicative_branch(cos, m)
+    return sign * chebyshev_cos(cos, m) - 2 * k
+
+
+def multiplicative_branch(cos: Tensor, m: int) -> tuple[Tensor, Tensor]:
+    """(k, (-1)^k) of eq. 2.6 for cosines: k = floor(m arccos(c) / pi) in 0..m-1, piecewise constant (no gradient)."""
     with torch.no_grad():
         theta = torch.arccos(cos.clamp(-1.0, 1.0))
         k = torch.floor(theta * m / math.pi).clamp(0, m - 1)
-        sign = 1 - 2 * torch.remainder(k, 2)
-    return sign * chebyshev_cos(cos, m) - 2 * k
+        return k, 1 - 2 * torch.remainder(k, 2)
 
 
 def arcface_psi(cos: Tensor, m: float, eps: float = 1e-6) -> Tensor:
