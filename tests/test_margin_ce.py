@@ -169,6 +169,28 @@ def test_single_class_gives_zero_loss_and_matches_the_reference():
         torch.testing.assert_close(b, a, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("bad", [-1, 70, 10**6])
+def test_label_out_of_range_makes_the_fused_loss_nan(bad):
+    """On a GPU the labels' range is not read on the host; the kernels turn the loss NaN instead of reading a
+    neighbouring row's logit (here on float32 tensors, where the range check is skipped as on a GPU)."""
+    raw = torch.randn(5, 70, generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    labels = torch.tensor([0, bad, 3, 69, 2], device=DEVICE)
+    ops = torch.ops.sphereml
+    rest, raw_y, _ = ops.margin_ce_lse(raw, raw.new_empty(0), labels, False, False)
+    raw_y = raw_y.cpu()
+    assert raw_y[1].isnan() and torch.equal(raw_y[[0, 2, 3, 4]], raw.cpu()[[0, 2, 3, 4], [0, 3, 69, 2]])
+    assert torch.isfinite(rest).all()
+    head = margins.ArcFaceLoss(8, 70).to(DEVICE)
+    head.backend = "fused"
+    x, _ = _inputs(5, 8, 70, dtype=torch.float32, device=DEVICE)
+    x.requires_grad_(True)
+    with launches.no_host_sync():  # as on a GPU: no value check of the labels
+        loss = head.loss(x, labels)
+        loss.backward()
+    assert loss.isnan() and head.weight.grad.isnan().all()
+    assert x.grad.isnan().any(1).tolist() == [False, True, False, False, False]  # only its own row's features
+
+
 @pytest.mark.parametrize("name", FUSABLE)
 def test_fused_head_passes_over_w_as_often_as_nn_linear_plus_two(name):
     """Operations that touch a C x d tensor (C x d above B x C here): the three products and the gradient's

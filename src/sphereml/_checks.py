@@ -63,7 +63,8 @@ def labels(name: str, value, n: int, num_classes: int | None = None) -> Tensor:
 
     The range is not checked for GPU tensors (reading their values would synchronise the
     device on every step and break ``torch.compile`` graphs); there an out-of-range label
-    fails inside the loss with PyTorch's own device-side error.
+    fails inside the loss with PyTorch's own device-side error, or, in a fused margin head's
+    kernels, makes the loss NaN.
     """
     if not isinstance(value, Tensor) or value.dtype != torch.int64:
         raise ValueError(f"{name} must be an int64 (long) tensor, got {getattr(value, 'dtype', type(value).__name__)}")

@@ -13,8 +13,9 @@ target logit, an O(B) term) and its raw value is returned instead.  All arithmet
   row).
 * ``lse_kernel``: program (i, k) owns rows i * BM.. and the k-th chunk of ``chunk`` columns; it streams
   BN-wide tiles with the online max / sum of exponentials and writes one (max, sum) pair per row and
-  chunk, the raw label value of the rows whose label lies in its chunk and, with ``WRITE_LOGITS``, the
-  logits themselves (so returning them costs one write, not another pass).  Splitting the columns keeps
+  chunk, the raw label value of the rows whose label lies in its chunk (NaN for a label outside [0, C), from the
+  first chunk: a GPU's labels are not read on the host, so the loss and its gradients turn NaN instead) and, with
+  ``WRITE_LOGITS``, the logits themselves (so returning them costs one write, not another pass).  Splitting the columns keeps
   every SM busy when B is small and C large (B = 512, C = 100,000).
 * ``combine_kernel``: the chunks' (max, sum) pairs of BM rows into each row's log-sum-exp.
 * ``grad_kernel``: program (i, j) owns one (BM, BN) tile: p = exp(z - lse) times the row's ``ROW_SCALE``
@@ -106,7 +107,9 @@ def lse_kernel(RAW, INV, LABELS, MAX_OUT, SUM_OUT, RAWY_OUT, LOGITS_OUT, B, C, s
     tl.store(MAX_OUT + out, m, mask=rmask)
     tl.store(SUM_OUT + out, l, mask=rmask)
     labels = tl.load(LABELS + rows, mask=rmask, other=-1)
-    tl.store(RAWY_OUT + rows, raw_y, mask=rmask & (labels >= start) & (labels < start + chunk))
+    unknown = (labels < 0) | (labels >= C)  # no column of its own: NaN, so the loss says so (no host read)
+    owner = ((labels >= start) & (labels < start + chunk)) | (unknown & (rows * 0 + start == 0))
+    tl.store(RAWY_OUT + rows, tl.where(unknown, float("nan"), raw_y), mask=rmask & owner)
 
 
 @triton.jit
@@ -219,9 +222,10 @@ def tail_kernel(REST, RAWY, INV, XNORM, WNORM, LABELS, LOSS_OUT, ROW_GRAD, LABEL
         rows = r0 + tl.arange(0, BLOCK)
         rmask = rows < B
         rest = tl.load(REST + rows, mask=rmask, other=0.0)
-        z = tl.load(RAWY + rows, mask=rmask, other=0.0)
+        raw_y = tl.load(RAWY + rows, mask=rmask, other=0.0)
+        z = raw_y
         labels = tl.load(LABELS + rows, mask=rmask, other=0)
-        known = rmask & (labels >= 0) & (labels < C)  # a label out of range reads nothing (not checked on a GPU)
+        known = rmask & (labels >= 0) & (labels < C)  # a label out of range reads nothing; its RAWY is NaN
         if HAS_INV:
             z = z * tl.load(INV + labels, mask=known, other=0.0)
         if SCALE == 0:
@@ -237,6 +241,7 @@ def tail_kernel(REST, RAWY, INV, XNORM, WNORM, LABELS, LOSS_OUT, ROW_GRAD, LABEL
         t, dt_dz, dt_dn = _tail_target(z, n, 1e-12, KIND, M, a, b, p0, p1)
         big = tl.maximum(t, rest)
         lae = big + tl.log(1.0 + tl.exp(-tl.abs(t - rest)))  # logaddexp; rest = -inf (one class) gives t
+        lae = tl.where(raw_y != raw_y, float("nan"), lae)  # NaN through the clamps (tl.maximum drops it)
         total += tl.where(rmask, lae - t, 0.0)
         p = tl.exp(rest - lae) / B
         tl.store(ROW_GRAD + rows, p, mask=rmask)
