@@ -15,8 +15,8 @@ target logit, an O(B) term) and its raw value is returned instead.  All arithmet
   BN-wide tiles with the online max / sum of exponentials and writes one (max, sum) pair per row and
   chunk, the raw label value of the rows whose label lies in its chunk (NaN for a label outside [0, C), from the
   first chunk: a GPU's labels are not read on the host, so the loss and its gradients turn NaN instead) and, with
-  ``WRITE_LOGITS``, the logits themselves (so returning them costs one write, not another pass).  Splitting the columns keeps
-  every SM busy when B is small and C large (B = 512, C = 100,000).
+  ``WRITE_LOGITS``, the logits themselves (so returning them costs one write, not another pass).  Splitting the
+  columns keeps every SM busy when B is small and C large (B = 512, C = 100,000).
 * ``combine_kernel``: the chunks' (max, sum) pairs of BM rows into each row's log-sum-exp.
 * ``grad_kernel``: program (i, j) owns one (BM, BN) tile: p = exp(z - lse) times the row's ``ROW_SCALE``
   (dL/dlse, read from device memory: no host copy), on the label column ``LABEL_GRAD`` (dL/dz_by) instead,
