@@ -8,7 +8,7 @@ import torch
 from sphereml.energy import gram, hyperspherical_energy
 from sphereml.energy.batched import LayerEnergies, PointSets, SetEnergies, buckets, pair_weights
 from sphereml.energy.gram import gram_energies, gram_energies_reference
-from sphereml.launches import no_host_sync
+from sphereml.launches import count_ops, no_host_sync
 
 F64 = torch.float64
 VARIANTS = list(itertools.product([0.0, 1.0, 2.0], ["euclidean", "angular"], [False, True]))
@@ -69,6 +69,21 @@ def test_gradcheck_of_the_fused_energy(metric, s):
     y = torch.randn(2, 5, 3, dtype=F64, generator=torch.Generator().manual_seed(2), requires_grad=True)
     minus, plus = pair_weights(PointSets(5, (5, 4), (True, False)), "pair_mean")
     assert torch.autograd.gradcheck(lambda t: gram_energies(t @ t.mT, minus, plus, s, metric, 1e-7), (y,))
+
+
+def test_gram_backward_is_one_product_per_block_and_passes_gradcheck():
+    """dE/dX = 2 Gbar X with Gbar symmetric: one batched product per block each way (autograd's backward of
+    X @ X.mT makes two and an add), exact to gradcheck's tolerance through padding, merging and half space."""
+    ws = [w.requires_grad_(True) for w in _weights()]
+    energies = LayerEnergies([w.shape for w in ws], 2.0, half_space=[True, False, True, True, False])
+    count = count_ops(lambda: energies.total(ws).backward())
+    products = {op: n for op, n in count.by_op.items() if op in ("aten::bmm", "aten::baddbmm", "aten::mm")}
+    assert products == {"aten::bmm": len(energies.groups), "aten::baddbmm": len(energies.groups)}, products
+    full = _weights()
+    small = [full[1][:3, :4], full[2][:2, :4], full[3][:3], full[4]]  # fan-ins 4 (padded 2 -> 3) and 3
+    small = [w.detach().clone().requires_grad_(True) for w in small]
+    total = LayerEnergies([w.shape for w in small], 1.0, half_space=True).total
+    assert torch.autograd.gradcheck(lambda *w: total(w), small)
 
 
 def test_cpu_chunks_give_the_same_numbers(monkeypatch):

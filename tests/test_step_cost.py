@@ -64,7 +64,7 @@ REGULARIZERS = {
     "BP-CoMHE": lambda net: CoMHE(net, variant="bilateral", num_proj=1),
 }
 # Launching operations of one CNN-9 step (forward, backward, SGD) with each regulariser; the plain step
-# has about 100.  Measured: HS-MHE 312, RP-CoMHE 356, AP-CoMHE 830, G-CoMHE 342 (one per-layer op
+# has about 100.  Measured: HS-MHE 298, RP-CoMHE 342, AP-CoMHE 816, G-CoMHE 328 (one per-layer op
 # each was 28 / 141 / 69 / 1,950 host syncs and 1,138-66,361 operations before the batched engine).
 BUDGETS = {"HS-MHE": 400, "MHE": 400, "MHE angular": 400, "RP-CoMHE": 1300, "RP-CoMHE (max)": 1300,
            "AP-CoMHE (unrolled)": 1300, "AP-CoMHE (alt.)": 1300, "Adv-CoMHE": 1300, "G-CoMHE": 1300,

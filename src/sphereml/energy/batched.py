@@ -153,7 +153,7 @@ class SetEnergies:
         out: list[Tensor | None] = [None] * len(self.blocks)
         groups, weights = self.prepare(points[0].device)
         for (minus, plus), (rows, members) in zip(weights, groups):
-            grams = [_pad_square(points[i] @ points[i].mT, rows) for i in members]  # (B_i, N, N) each
+            grams = [_pad_square(_SymmetricGram.apply(points[i]), rows) for i in members]  # (B_i, N, N) each
             energies = gram_energies(grams[0] if len(grams) == 1 else torch.cat(grams), minus, plus, self.s,
                                      self.metric, self.eps)
             for i, part in zip(members, energies.split([len(self.blocks[i].sizes) for i in members])):
@@ -205,6 +205,27 @@ def _pad_square(gram: Tensor, rows: int) -> Tensor:
     """Tensor[B, n, n] zero-padded to Tensor[B, rows, rows] (padding rows are zero points)."""
     extra = rows - gram.shape[-1]
     return torch.nn.functional.pad(gram, (0, extra, 0, extra)) if extra else gram
+
+
+class _SymmetricGram(torch.autograd.Function):
+    """G = X X^T for each set of Tensor[B, N, d], whose gradient Gbar is symmetric: every energy here is a sum over
+    unordered pairs with symmetric weights (:func:`pair_weights`), so dL/dX = (Gbar + Gbar^T) X = 2 Gbar X, one
+    batched product (autograd's backward of ``X @ X.mT`` makes two and adds them)."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(points: Tensor) -> Tensor:
+        return points @ points.mT
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(inputs[0])
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> Tensor:
+        (points,) = ctx.saved_tensors
+        return torch.baddbmm(points, grad, points, beta=0.0, alpha=2.0)  # beta = 0: the first argument is unread
 
 
 def _as_rows(w: Tensor) -> Tensor:
