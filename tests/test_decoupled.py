@@ -157,7 +157,7 @@ def test_every_angular_activation_has_the_shape_of_eqs_4_11_to_4_14():
 
 def test_bounded_operators_and_pointwise_orderings():
     x = _input(9, scale=1e4)  # huge patches
-    outs = {m: _layer(9, magnitude=m, alpha=A, rho=R)(x) for m in MAGNITUDES}
+    outs = {m: _layer(9, magnitude=m, alpha=A, rho=R)(x).detach() for m in MAGNITUDES}
     for m in BOUNDED_MAGNITUDES:
         assert float(outs[m].abs().max()) <= A + 1e-12
     x = _input(10, scale=0.5)
