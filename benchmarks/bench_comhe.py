@@ -8,7 +8,7 @@ Goal: any of them adds at most 10 % to the unregularised step.  Each candidate's
 counted too (about one kernel launch each on a GPU); on CUDA the candidates of ``COMPILED`` also run compiled, the
 whole step (CUDA graphs) and the penalty alone (the network eager, as a user who compiles nothing else trains it),
 and those of ``FUSED_PAIRS`` eager with the batched energy's pair kernels (:mod:`sphereml.energy._pair_kernels`:
-HS-MHE's CNN-9 step 174 operations instead of 298, counted on the CPU; plain 100).
+HS-MHE's CNN-9 step 173 operations instead of 235, counted on the CPU as a GPU buckets; plain 100).
 """
 
 from __future__ import annotations

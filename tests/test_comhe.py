@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from sphereml.regularizers import comhe
+from sphereml.regularizers import comhe, comhe_functional
 from sphereml import models
 from sphereml.regularizers.comhe import CoMHE, angle_distortion, bilateral_energy, group_energy, projected_energies
 from sphereml.energy import hyperspherical_energy
@@ -208,6 +208,77 @@ def test_unrolled_angle_energy_has_the_second_order_gradient():
     w0 = layer.weight.detach().clone().requires_grad_(True)
     assert torch.autograd.gradcheck(energy_of, (w0,))
     torch.testing.assert_close(energy(w0.detach()), energy_of(w0.detach()))
+
+
+def _unrolled_case(shared, num_proj, dtype=torch.float64):
+    """Three layers packed to 7 rows: layer 1 has 5 neurons (two zero pad rows), layer 2 a real zero neuron."""
+    g = _g(4)
+    x = torch.randn(3, 7, 10, generator=g, dtype=dtype)
+    x[1, 5:] = 0.0
+    x[2, 3] = 0.0
+    sizes = (7, 5, 7)
+    share = torch.zeros(3, 7, 7, dtype=dtype)
+    for layer, n in enumerate(sizes):
+        share[layer, :n, :n] = (1.0 - torch.eye(n, dtype=dtype)) / (num_proj * n * (n - 1))
+    shape = (num_proj, 4, 10) if shared else (3, num_proj, 4, 10)
+    return x, torch.randn(*shape, generator=g, dtype=dtype), share
+
+
+@pytest.mark.parametrize("shared", [True, False])
+@pytest.mark.parametrize("num_proj", [1, 3])
+@pytest.mark.parametrize("scale_free", [True, False])
+def test_unrolled_projection_backward_is_autograds(shared, num_proj, scale_free):
+    """The written-out backward of the unrolled step against autograd's through the same forward, with padding
+    rows and a zero neuron (whose projection sits below the norm floor), and by gradcheck in float64."""
+    x, p, share = _unrolled_case(shared, num_proj)
+    weight = torch.randn(3, num_proj, 4, 10, generator=_g(5), dtype=torch.float64)
+    grads = []
+    for unrolled in (comhe.unrolled_projection, comhe_functional.unrolled_projection_reference):
+        w = x.clone().requires_grad_(True)
+        out = unrolled(w, p, share, 0.3, scale_free)
+        grads.append((out, *torch.autograd.grad((out * weight).sum(), w)))
+    torch.testing.assert_close(grads[0], grads[1], rtol=1e-12, atol=1e-12)
+    assert grads[0][1][1, 5:].abs().max() == 0  # pad rows get nothing
+    w = x.clone().requires_grad_(True)
+    assert torch.autograd.gradcheck(lambda t: comhe.unrolled_projection(t, p, share, 0.3, scale_free), (w,))
+
+
+def test_unrolled_projection_is_the_step_on_the_distortions_gradient():
+    """P - lr ||P|| / ||G|| G per layer, G the gradient of each layer's L_P (eq. 6.6) by autograd."""
+    x, p, share = _unrolled_case(shared=True, num_proj=2)
+    for layer, n in enumerate((7, 5, 7)):
+        q = p.clone().requires_grad_(True)
+        (grad,) = torch.autograd.grad(angle_distortion(x[layer, :n], q), q)
+        expected = p - 0.3 * p.norm() / grad.norm() * grad
+        torch.testing.assert_close(comhe.unrolled_projection(x, p, share, 0.3)[layer], expected)
+
+
+def test_unrolled_projection_batches_over_seeds_and_costs_fewer_operations():
+    """torch.func.vmap over stacked seeds (fit_seeds' batched step) gives each seed's gradient; and the written-out
+    backward dispatches fewer operations than autograd's."""
+    from sphereml.launches import count_ops
+    x, p, share = _unrolled_case(shared=False, num_proj=2, dtype=torch.float32)
+    seeds = torch.stack([x, 2 * x.flip(1)]).requires_grad_(True)
+    out = torch.func.vmap(lambda t: comhe.unrolled_projection(t, p, share, 0.3))(seeds)
+    (batched,) = torch.autograd.grad(out.square().sum(), seeds)
+    for i in range(2):
+        w = seeds[i].detach().clone().requires_grad_(True)
+        (alone,) = torch.autograd.grad(comhe.unrolled_projection(w, p, share, 0.3).square().sum(), w)
+        torch.testing.assert_close(batched[i], alone)
+
+    def ops(unrolled):
+        w = x.clone().requires_grad_(True)
+        return count_ops(lambda: unrolled(w, p, share, 0.3).sum().backward()).total
+    fast, reference = ops(comhe.unrolled_projection), ops(comhe_functional.unrolled_projection_reference)
+    assert fast <= 0.85 * reference, (fast, reference)
+
+
+def test_unrolled_projection_differentiates_p_by_autograd_when_p_requires_grad():
+    x, p, share = _unrolled_case(shared=True, num_proj=1)
+    q = p.clone().requires_grad_(True)
+    (grad,) = torch.autograd.grad(comhe.unrolled_projection(x, q, share, 0.3).sum(), q)
+    (expected,) = torch.autograd.grad(comhe_functional.unrolled_projection_reference(x, q, share, 0.3).sum(), q)
+    torch.testing.assert_close(grad, expected, rtol=1e-12, atol=1e-12)
 
 
 def test_adversarial_step_raises_the_projected_energy():

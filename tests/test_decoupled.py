@@ -281,7 +281,7 @@ def test_running_mean_is_cumulative_then_a_momentum_average():
         layer(x)
         norms = decoupled_conv2d(x, layer.weight, padding=1, magnitude="linear") / \
             decoupled_conv2d(x, layer.weight, padding=1, magnitude="sphere")
-        means.append(float(norms.mean()))
+        means.append(float(norms.detach().mean()))
     expected = sum(means[:4]) / 4  # weights 1, 1/2, 1/3, 1/4: the plain mean of the first 1 / momentum
     expected = 0.75 * expected + 0.25 * means[4]
     assert abs(float(layer.norm_mean) - expected) < 1e-10

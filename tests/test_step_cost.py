@@ -23,10 +23,11 @@ from sphereml.layers.sphereconv import SphereConv2d
 
 @pytest.fixture(autouse=True)
 def as_on_a_gpu(monkeypatch):
-    """Energies evaluated as on a GPU: one chunk per evaluation, and large blocks merged into buckets (the CPU's
-    cache-sized chunks and unmerged large blocks add launches that a GPU never sees)."""
+    """Energies evaluated as on a GPU: one chunk per evaluation, and blocks merged into buckets as a GPU merges them
+    (the CPU's cache-sized chunks and unmerged blocks add launches that a GPU never sees)."""
     monkeypatch.setattr(gram, "CPU_CHUNK", 2**62)
     monkeypatch.setattr(batched, "MERGE_MAX", 2**62)
+    monkeypatch.setattr(batched, "MERGE_WASTE", batched.ACCELERATOR_MERGE_WASTE)
 
 
 def _cnn9(depth=9, widths=(64, 128, 256)):
@@ -64,11 +65,15 @@ REGULARIZERS = {
     "BP-CoMHE": lambda net: CoMHE(net, variant="bilateral", num_proj=1),
 }
 # Launching operations of one CNN-9 step (forward, backward, SGD) with each regulariser; the plain step
-# has about 100.  Measured: HS-MHE 298, RP-CoMHE 342, AP-CoMHE 816, G-CoMHE 328 (one per-layer op
-# each was 28 / 141 / 69 / 1,950 host syncs and 1,138-66,361 operations before the batched engine).
+# has about 100.  Measured on torch 2.13: HS-MHE 235, MHE 218, RP-CoMHE 278 (max 290), AP-CoMHE 606 (alt. 437),
+# Adv-CoMHE 404, G-CoMHE 264, BP-CoMHE 313 (one per-layer op each was 28 / 141 / 69 / 1,950 host syncs and
+# 1,138-66,361 operations before the batched engine).  The issue's budgets (HS-MHE 400, CoMHE 1,300) bound them;
+# REGRESSION holds each to about 1.25 times its count, so that losing a batching step shows.
 BUDGETS = {"HS-MHE": 400, "MHE": 400, "MHE angular": 400, "RP-CoMHE": 1300, "RP-CoMHE (max)": 1300,
            "AP-CoMHE (unrolled)": 1300, "AP-CoMHE (alt.)": 1300, "Adv-CoMHE": 1300, "G-CoMHE": 1300,
            "BP-CoMHE": 1300}
+REGRESSION = {"HS-MHE": 300, "MHE": 280, "MHE angular": 280, "RP-CoMHE": 350, "RP-CoMHE (max)": 360,
+              "AP-CoMHE (unrolled)": 760, "AP-CoMHE (alt.)": 550, "Adv-CoMHE": 500, "G-CoMHE": 330, "BP-CoMHE": 390}
 
 
 def _slow_for_groups(names):
@@ -80,7 +85,7 @@ def _slow_for_groups(names):
 def test_regularised_cnn9_step_within_its_operation_budget(name):
     net = _cnn9()
     ops = count_ops(_step(net, REGULARIZERS[name](net))).total
-    assert ops <= BUDGETS[name], f"{name}: {ops} operations per step"
+    assert ops <= min(BUDGETS[name], REGRESSION[name]), f"{name}: {ops} operations per step"
 
 
 @pytest.mark.slow

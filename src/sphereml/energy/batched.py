@@ -46,8 +46,8 @@ from .._checks import one_of, real_number
 from .gram import gram_energies
 from .kernels import METRICS
 
-__all__ = ["REDUCTIONS", "MERGE_WASTE", "MERGE_MAX", "buckets", "PointSets", "pair_weights", "SetEnergies",
-           "LayerEnergies", "RowPacking", "DeviceCache"]
+__all__ = ["REDUCTIONS", "MERGE_WASTE", "ACCELERATOR_MERGE_WASTE", "MERGE_MAX", "buckets", "PointSets", "pair_weights",
+           "SetEnergies", "LayerEnergies", "RowPacking", "DeviceCache"]
 
 REDUCTIONS = ("pair_mean", "pair_sum")
 
@@ -100,9 +100,9 @@ class SetEnergies:
     Every block gets its Gram matrices from one batched product; blocks are then gathered into
     *buckets* evaluated together, a block's Gram matrices zero-padded to its bucket's size N
     (:func:`buckets`: as few buckets as keep the padded pairs within ``MERGE_WASTE`` times the real
-    ones; on a CPU, where copying is dear and launches cheap, a block above ``MERGE_MAX`` pairs stays
-    alone).  Built once from the static shapes; buckets and pair weights are made once per device
-    (:meth:`prepare`).
+    ones, ``ACCELERATOR_MERGE_WASTE`` on a GPU; on a CPU, where copying is dear and launches cheap, a block
+    above ``MERGE_MAX`` pairs stays alone).  Built once from the static shapes; buckets and pair weights are
+    made once per device (:meth:`prepare`).
 
     Args:
         blocks (sequence of PointSets): the blocks, in the order :meth:`__call__` receives them.
@@ -126,8 +126,9 @@ class SetEnergies:
         """The buckets and pair weights for ``device`` (made there once; call it outside ``torch.compile``)."""
         device = torch.device(device)
         if device not in self._weights:
-            largest = MERGE_MAX if device.type == "cpu" else float("inf")
-            groups = buckets([(block.rows, len(block.sizes)) for block in self.blocks], largest=largest)
+            cpu = device.type == "cpu"
+            groups = buckets([(block.rows, len(block.sizes)) for block in self.blocks],
+                             MERGE_WASTE if cpu else ACCELERATOR_MERGE_WASTE, MERGE_MAX if cpu else float("inf"))
             weights = []
             for rows, members in groups:
                 parts = [pair_weights(_padded(self.blocks[i], rows), self.reduction, device) for i in members]
@@ -161,7 +162,12 @@ class SetEnergies:
         return out
 
 
-MERGE_WASTE = 1.5  # buckets(): at most this many padded pairs per real pair, summed over the blocks
+MERGE_WASTE = 1.5  # buckets() on a CPU: at most this many padded pairs per real pair, summed over the blocks
+
+# buckets() on an accelerator, where a bucket's ~25 launches (forward and backward, ~150 us) outweigh the padding's
+# element-wise passes (~30 passes over 8-byte pairs: ~0.1 us per thousand pairs at 3 TB/s) for every network here;
+# an estimate from those figures, not a timing
+ACCELERATOR_MERGE_WASTE = 4.0
 
 
 MERGE_MAX = 2**22  # buckets(): a block with more pairs than this (32 MiB of float64) is evaluated alone
@@ -297,7 +303,12 @@ class LayerEnergies:
 
     def total(self, weights: Sequence[Tensor]) -> Tensor:
         """sum_l c_l E_l with the ``coefficients`` given at construction, as a 0-dim float64 Tensor."""
-        energies = self._packed(weights)
+        return self.weighted_total(self.engine(self.pack(weights)))
+
+    def weighted_total(self, energies: Sequence[Tensor]) -> Tensor:
+        """:meth:`total` from the energies of :meth:`pack`'s blocks, evaluated elsewhere (a :class:`SetEnergies`
+        whose first blocks are ``self.engine.blocks``: one evaluation for these weights and other sets)."""
+        energies = torch.cat(list(energies))
         return (energies * self._coefficients.get(energies.device)).sum()
 
 

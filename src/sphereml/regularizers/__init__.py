@@ -414,10 +414,14 @@ class MHE(Regularizer):
             self._engine.prepare(self.layers[0].weight.device)
 
     def penalty(self) -> Tensor:
+        batched = self._engine.total([m.weight for m, _, _ in self._batched]) if self._engine is not None else None
+        return self._single_penalty(batched)
+
+    def _single_penalty(self, batched: Tensor | None) -> Tensor:
+        """The penalty from the batched layers' weighted total (or None): plus the layers evaluated one by one."""
         weight = self.layers[0].weight
         total = weight.new_zeros(())
-        if self._engine is not None:
-            batched = self._engine.total([m.weight for m, _, _ in self._batched])
+        if batched is not None:
             total = total + batched.to(weight.dtype)
         for layer, half, coefficient in self._single:
             if coefficient > 0:

@@ -29,7 +29,8 @@ Note [CoMHE without host work]
     (angle-preserving, adversarial) happen in :meth:`CoMHE.before_step`, outside the penalty, so the
     penalty is a pure function of the weights that compiles as one graph.  The unrolled angle-preserving
     step needs grad_P L_P as a function of W: it is written in closed form
-    (:func:`angle_distortion_grad`), so the penalty is differentiated once, never with ``create_graph``.
+    (:func:`angle_distortion_grad`), so the penalty is differentiated once, never with ``create_graph``, and
+    the step's backward in W is written out too (:func:`unrolled_projection`).
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from torch import Tensor, nn
 
 from .._checks import integer, one_of, real_number
 from .comhe_functional import (angle_distortion, angle_distortion_grad, bilateral_energy, group_energy, project,
-    projected_energies)
+    projected_energies, projection_step, unrolled_projection)
 from ..energy import BATCHED_MAX, hyperspherical_energy, layer_energy
 from ..energy.batched import PointSets, RowPacking, SetEnergies, pair_weights
 from . import MHE
@@ -50,7 +51,7 @@ from . import MHE
 # The functional core lives in sphereml.regularizers.comhe_functional; its public functions are listed here too, where
 # the regulariser's users look for them.
 __all__ = ["VARIANTS", "CoMHEOptions", "CoMHE", "projected_energies", "angle_distortion", "angle_distortion_grad",
-           "group_energy", "bilateral_energy"]
+           "unrolled_projection", "group_energy", "bilateral_energy"]
 
 VARIANTS = ("random", "random_max", "angle", "adversarial", "group", "bilateral")
 
@@ -196,6 +197,9 @@ class CoMHE(MHE):
                 blocks.append(PointSets(max(sizes), tuple(n for n in sizes for _ in range(copies)),
                                         (self.half_space,) * (copies * len(sizes))))
         self._compressed = SetEnergies(blocks, self.s) if blocks else None
+        # the penalty's one evaluation: MHE's batched layers (the classifier, uncompressed layers), then these
+        self._joint = SetEnergies([*self._engine.engine.blocks, *blocks], self.s) if blocks and self._engine \
+            else self._compressed
 
     def _sets(self, group: _Group) -> list[tuple[int, list[int]]]:
         """The blocks of point sets a group makes: (sets per layer, points per set of each layer)."""
@@ -263,12 +267,7 @@ class CoMHE(MHE):
     def _step(self, p: Tensor, grad: Tensor, sign: float) -> Tensor:
         """Each P_l (Tensor[L, C, k, d]) moved along sign * grad_l: by ap_lr * ||P_l|| (a scale-free step), or by
         ap_lr * grad_l (``ap_step="plain"``)."""
-        if self.options.ap_step == "plain":
-            return p + sign * self.options.ap_lr * grad
-
-        def norm(t):
-            return torch.linalg.vector_norm(t, dim=(1, 2, 3), keepdim=True)
-        return p + sign * self.options.ap_lr * norm(p.detach()) / norm(grad).clamp_min(1e-30) * grad
+        return projection_step(p, grad, sign * self.options.ap_lr, self.options.ap_step != "plain")
 
     def _fit_angle(self) -> None:
         """AP-CoMHE, alternating part: ``ap_steps`` steps on the summed L_P of the layers sharing each P."""
@@ -303,8 +302,10 @@ class CoMHE(MHE):
         """Redraw the projections when due, fit (``"angle"``) or ascend (``"adversarial"``) them; count the call."""
         super().before_step()
         device = self.layers[0].weight.device
-        if self._compressed is not None:  # the constants of the penalty, on the device once
-            self._compressed.prepare(device)
+        if self._joint is not None:  # the constants of the penalty (and of the ascent), on the device once
+            self._joint.prepare(device)
+            if self.variant == "adversarial":
+                self._compressed.prepare(device)
         for g, group in enumerate(self.groups):
             group.packing.index.get(device)
             if self.variant == "angle":
@@ -365,8 +366,8 @@ class CoMHE(MHE):
     def _unrolled(self, g: int, group: _Group, p: Tensor) -> Tensor:
         """P - step * grad_P L_P(W, P) per layer (Tensor[L, C, k, d], float64), a function of W (eq. 6.7)."""
         x, p = self._pack(group, dtype=self._dtype), p.to(self._dtype)
-        grad = angle_distortion_grad(x, p, self._share_cache(g, group, x.device))  # (L, C, k, d)
-        return self._step(p.expand(len(group.layers), *p.shape) if p.dim() == 3 else p, grad, -1.0).to(torch.float64)
+        share = self._share_cache(g, group, x.device)
+        return unrolled_projection(x, p, share, self.options.ap_lr, self.options.ap_step != "plain").to(torch.float64)
 
     def _share_cache(self, g: int, group: _Group, device: torch.device) -> Tensor:
         key = (g, device, self._dtype)
@@ -378,11 +379,16 @@ class CoMHE(MHE):
         """beta_hidden * sum of the hidden layers' compressive energies + beta_output * E_s(classifier)."""
         if self._drawn is None:
             self.resample()
-        total = super().penalty()  # the uncompressed layers and the classifier
         if self._compressed is None or self.beta_hidden == 0:
-            return total
+            return super().penalty()  # the uncompressed layers and the classifier
         points = [block for g, group in enumerate(self.groups) for block in self._blocks(g, group)]
-        energies = self._compressed(points)
+        if self._joint is self._compressed:
+            total, energies = super().penalty(), self._joint(points)
+        else:  # one evaluation of every set: MHE's blocks first
+            mhe = self._engine.pack([m.weight for m, _, _ in self._batched])
+            energies = self._joint([*mhe, *points])
+            total = self._single_penalty(self._engine.weighted_total(energies[:len(mhe)]))
+            energies = energies[len(mhe):]
         per_layer = []
         for g, group in enumerate(self.groups):
             if self.variant == "bilateral":
