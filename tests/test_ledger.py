@@ -16,11 +16,11 @@ SNAPSHOT = REPO / "book" / "claims.json"
 NO_CLAIMS = {"10_conclusion"}
 
 
-def _metrics(tmp_path, chapter, profile, claims):
+def _metrics(tmp_path, chapter, profile, claims, **run):
     path = tmp_path / chapter / "metrics.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"chapter": chapter, "profile": profile, "device_name": "cpu", "torch": "2.x",
-                                "threads": 2, "claims": claims}))
+                                "threads": 2, "claims": claims, **run}))
     return path
 
 
@@ -131,3 +131,16 @@ def test_render_marks_verdicts_that_change_with_scale(tmp_path):
     assert len(marked) == 2 and all(row.startswith('<tr class="scale-change">') for row in marked.values())
     assert [row.count("changed from cpu") for row in marked.values()] == [1, 1]  # gpu's and paper's verdicts
     assert any("moved" in anchor for anchor in marked) and any("skips" in anchor for anchor in marked)
+
+
+def test_the_page_names_the_cpu_kernels_a_run_was_recorded_with(tmp_path):
+    """Two CPUs with other vector kernels (AVX2, AVX512) round differently and may train to other numbers: the
+    page says which a cpu run used, and says nothing for a run recorded before the field existed."""
+    recorded = _metrics(tmp_path, "01_a", "cpu", [_claim("a")], cpu_capability="AVX512")
+    older = _metrics(tmp_path, "02_b", "cpu", [_claim("b")])
+    snapshot = ledger.collect([recorded, older])
+    assert snapshot["chapters"]["01_a"]["cpu"]["cpu_capability"] == "AVX512"
+    assert snapshot["chapters"]["02_b"]["cpu"]["cpu_capability"] is None
+    page = ledger.render(snapshot)
+    assert "`cpu` on cpu (AVX512), torch 2.x" in page
+    assert "`cpu` on cpu, torch 2.x" in page

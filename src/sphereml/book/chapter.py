@@ -196,6 +196,7 @@ class Chapter:
             "chapter": name, "profile": self.profile, "device": str(self.device),
             "device_name": torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu",
             "torch": torch.__version__, "params": dict(params or {}), "threads": torch.get_num_threads(),
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(),  # the vector kernels torch chose (AVX2, AVX512)
             "claims": [], "tiny": self.tiny, "fits": [], "elapsed_seconds": 0.0,
             "seeds_together": self.seeds_together,
             "backends": configure_backends(self.profile, self.device),

@@ -28,7 +28,9 @@ from .verdicts import VERDICTS
 __all__ = ["LABELS", "collect", "render", "load_snapshot"]
 
 LABELS = {name: name for name in VERDICTS.values()}  # the page uses the verdicts' own words
-RUN_FIELDS = ("device_name", "torch", "threads")  # what the page says about the run behind each column
+# what the page says about the run behind each column; the CPU's vector kernels (AVX2, AVX512) round
+# differently, so a cpu run on another machine may train to other numbers
+RUN_FIELDS = ("device_name", "torch", "threads", "cpu_capability")
 
 
 def load_snapshot(path: str | os.PathLike) -> dict:
@@ -48,7 +50,8 @@ def collect(metrics_paths, snapshot: dict | None = None, profiles: tuple[str, ..
         profiles (tuple[str]): the profiles the ledger reports.
 
     Returns:
-        ``{"chapters": {name: {profile: {"device_name", "torch", "threads", "claims": [...]}}}}``.
+        ``{"chapters": {name: {profile: {"device_name", "torch", "threads", "cpu_capability", "claims": [...]}}}}``
+        (``cpu_capability`` None for runs recorded before it was).
     """
     snapshot = {"chapters": {}} if snapshot is None else json.loads(json.dumps(snapshot))
     for path in metrics_paths:
@@ -105,10 +108,16 @@ def _runs(snapshot: dict) -> list[str]:
     """One line per chapter: the device and torch behind each profile's run."""
     lines = []
     for name, runs in snapshot["chapters"].items():
-        devices = "; ".join(f"`{p}` on {runs[p]['device_name']}, torch {runs[p]['torch']}"
+        devices = "; ".join(f"`{p}` on {_device(runs[p])}, torch {runs[p]['torch']}"
                             for p in LEDGER_PROFILES if p in runs)
         lines.append(f"- {{doc}}`/notebooks/{name}`: {devices}.")
     return lines
+
+
+def _device(run: dict) -> str:
+    """The run's device, with the CPU's vector kernels where they were recorded (``cpu (AVX512)``)."""
+    capability = run.get("cpu_capability")
+    return f"{run['device_name']} ({capability})" if capability and run["device_name"] == "cpu" else run["device_name"]
 
 
 def render(snapshot: dict) -> str:
