@@ -281,6 +281,24 @@ def test_unrolled_projection_differentiates_p_by_autograd_when_p_requires_grad()
     torch.testing.assert_close(grad, expected, rtol=1e-12, atol=1e-12)
 
 
+def test_unrolled_projection_is_first_order_only_and_runs_outside_autocast():
+    """The written-out backward treats its saved terms as constants: a second derivative raises instead of coming
+    out wrong.  Under autocast the step runs in the weights' dtype (its backward mixes saved terms with x)."""
+    x, p, share = _unrolled_case(shared=True, num_proj=2)
+    x.requires_grad_(True)
+    (grad,) = torch.autograd.grad(comhe.unrolled_projection(x, p, share, 0.3).square().sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError):
+        torch.autograd.grad(grad.sum(), x)
+    model = _net()
+    reg = CoMHE(model, variant="angle", num_proj=2)
+    params = [w for w in model.parameters() if w.dim() > 1]
+    expected = torch.autograd.grad(reg.penalty(), params, allow_unused=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        penalty = reg.penalty()
+    for got, want in zip(torch.autograd.grad(penalty, params, allow_unused=True), expected):
+        assert (got is None) == (want is None) and (got is None or torch.equal(got, want))
+
+
 def test_adversarial_step_raises_the_projected_energy():
     model = _net()
     reg = CoMHE(model, variant="adversarial", num_proj=2, ap_lr=0.05)

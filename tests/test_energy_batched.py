@@ -199,6 +199,8 @@ def test_bad_arguments():
     energies = LayerEnergies([(5, 3)])
     with pytest.raises(ValueError, match=r"weights must have the shapes"):
         energies([torch.randn(4, 3)])
+    with pytest.raises(ValueError, match=r"weights must have the shapes"):  # total and pack check them too
+        LayerEnergies([(4, 3), (5, 3)]).total([torch.randn(5, 3), torch.randn(4, 3)])
     with pytest.raises(ValueError, match="coefficients must give one number per weight"):
         LayerEnergies([(5, 3)], coefficients=[1.0, 2.0])
     with pytest.raises(ValueError, match="expected 1 blocks"):

@@ -280,6 +280,8 @@ class LayerEnergies:
 
     def pack(self, weights: Sequence[Tensor]) -> list[Tensor]:
         """The weights of each fan-in group as one float64 Tensor[L, N, d], zero rows padding short layers."""
+        if [w.shape for w in weights] != self.shapes:
+            raise ValueError(f"weights must have the shapes {self.shapes}, got {[tuple(w.shape) for w in weights]}")
         return [packing([_as_rows(weights[i]) for i in members])
                 for members, packing in zip(self.groups.values(), self.packing)]
 
@@ -292,8 +294,6 @@ class LayerEnergies:
             packing.index.get(device)
 
     def _packed(self, weights: Sequence[Tensor]) -> Tensor:
-        if [w.shape for w in weights] != self.shapes:
-            raise ValueError(f"weights must have the shapes {self.shapes}, got {[tuple(w.shape) for w in weights]}")
         return torch.cat(self.engine(self.pack(weights)))  # (L,) in packed order
 
     def __call__(self, weights: Sequence[Tensor]) -> Tensor:

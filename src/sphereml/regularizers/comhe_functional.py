@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 
 from .._checks import integer
 from ..energy import BATCHED_MAX, hyperspherical_energy
@@ -154,7 +155,8 @@ def unrolled_projection(x: Tensor, p: Tensor, share: Tensor, lr: float, scale_fr
     """
     if p.requires_grad or share.requires_grad:
         return unrolled_projection_reference(x, p, share, lr, scale_free)
-    return _UnrolledProjection.apply(x, p, share, lr, scale_free)[0]
+    with torch.autocast(x.device.type, enabled=False):  # the backward mixes saved terms with x: one dtype for all
+        return _UnrolledProjection.apply(x, p, share, lr, scale_free)[0]
 
 
 def unrolled_projection_reference(x: Tensor, p: Tensor, share: Tensor, lr: float, scale_free: bool = True) -> Tensor:
@@ -223,6 +225,7 @@ class _UnrolledProjection(torch.autograd.Function):
         ctx.save_for_backward(x, p, *output[1:])
 
     @staticmethod
+    @once_differentiable  # first order only: a second derivative raises rather than treat saved terms as constants
     def backward(ctx, grad_out: Tensor | None, *unused) -> tuple[Tensor | None, None, None, None, None]:
         if grad_out is None:  # the stepped projections unused
             return None, None, None, None, None
