@@ -274,11 +274,44 @@ def test_unrolled_projection_batches_over_seeds_and_costs_fewer_operations():
 
 
 def test_unrolled_projection_differentiates_p_by_autograd_when_p_requires_grad():
+    """With P a variable, d/dP of the stepped projections is that of P - lr ||P|| / ||G|| G with G = grad_P L_P by
+    autograd (create_graph) and ||P|| a constant, as the scale-free step takes it; the plain step passes gradcheck."""
     x, p, share = _unrolled_case(shared=True, num_proj=1)
+    x[2, 3] = torch.randn(x.shape[-1], generator=_g(9), dtype=x.dtype)  # autograd's second derivative at 0 is nan
+    weight = torch.randn(3, *p.shape, generator=_g(6), dtype=torch.float64)
+
+    def by_autograd(q):
+        out = []
+        for layer, n in enumerate((7, 5, 7)):
+            (grad,) = torch.autograd.grad(angle_distortion(x[layer, :n], q), q, create_graph=True)
+            out.append(q - 0.3 * q.detach().norm() / grad.norm() * grad)
+        return torch.stack(out)
+
     q = p.clone().requires_grad_(True)
-    (grad,) = torch.autograd.grad(comhe.unrolled_projection(x, q, share, 0.3).sum(), q)
-    (expected,) = torch.autograd.grad(comhe_functional.unrolled_projection_reference(x, q, share, 0.3).sum(), q)
-    torch.testing.assert_close(grad, expected, rtol=1e-12, atol=1e-12)
+    (grad,) = torch.autograd.grad((comhe.unrolled_projection(x, q, share, 0.3) * weight).sum(), q)
+    (expected,) = torch.autograd.grad((by_autograd(q) * weight).sum(), q)
+    torch.testing.assert_close(grad, expected, rtol=1e-10, atol=1e-12)
+    assert torch.autograd.gradcheck(lambda t: comhe.unrolled_projection(x, t, share, 0.3, False), (q,))
+
+
+def test_angle_distortion_grad_takes_any_pair_weights():
+    """An asymmetric share: grad_P of sum_ij share_ij (v_i . v_j - c_ij)^2 by autograd, and the unrolled step's
+    written-out backward in x still autograd's."""
+    x, p, share = _unrolled_case(shared=False, num_proj=2)
+    share = share * torch.rand(share.shape, generator=_g(7), dtype=share.dtype)
+    q = p.clone().requires_grad_(True)
+    cos = comhe_functional.project(x, q)
+    v = cos / cos.norm(dim=-1, keepdim=True).clamp_min(1e-12)
+    u = x / x.norm(dim=-1, keepdim=True).clamp_min(1e-12)
+    loss = (share.unsqueeze(1) * (v @ v.mT - (u @ u.mT).unsqueeze(1)).square()).sum()
+    (expected,) = torch.autograd.grad(loss, q)
+    torch.testing.assert_close(comhe_functional.angle_distortion_grad(x, p, share), expected, rtol=1e-12, atol=1e-14)
+    weight = torch.randn(p.shape, generator=_g(8), dtype=p.dtype)
+    grads = []
+    for unrolled in (comhe.unrolled_projection, comhe_functional.unrolled_projection_reference):
+        w = x.clone().requires_grad_(True)
+        grads.append(torch.autograd.grad((unrolled(w, p, share, 0.3) * weight).sum(), w)[0])
+    torch.testing.assert_close(grads[0], grads[1], rtol=1e-12, atol=1e-12)
 
 
 def test_unrolled_projection_is_first_order_only_and_runs_outside_autocast():

@@ -36,7 +36,12 @@ HOST_READS = frozenset({
 
 @dataclass
 class OpCount:
-    """The aten operations dispatched by one call: ``total`` (launching operations) and ``by_op``."""
+    """The aten operations dispatched by one call: ``total`` (all but views), ``views`` and ``by_op``.
+
+    ``total`` slightly overstates the kernel launches: a few of its operations allocate or relabel memory and
+    launch nothing (``empty``, ``_unsafe_view``, the profiler's ``record_function`` markers), 13 of a plain
+    CNN-9 training step's 100 and 19 of its 235 with HS-MHE (torch 2.13).
+    """
 
     total: int = 0
     views: int = 0
@@ -69,9 +74,9 @@ def count_ops(fn: Callable[[], object], touching: int = 0) -> OpCount:
     """Call ``fn()`` once and count the aten operations it dispatches (forward, backward and optimiser).
 
     View operations (``view``, ``transpose``, ``detach``, ...) move no data and launch no kernel; they are
-    counted apart in ``views``.  Each of the others is about one kernel launch on a GPU.  ``touching=n``
-    counts only the operations that read or write a tensor of at least n elements (e.g. the B x C logits
-    of a classifier: the passes over memory that set a large layer's time).
+    counted apart in ``views``.  Each of the others is about one kernel launch on a GPU (:class:`OpCount`).
+    ``touching=n`` counts only the operations that read or write a tensor of at least n elements (e.g. the
+    B x C logits of a classifier: the passes over memory that set a large layer's time).
     """
     count = OpCount()
     with _Counter(count, touching):

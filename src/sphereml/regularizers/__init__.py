@@ -413,8 +413,12 @@ class MHE(Regularizer):
         if self._engine is not None:
             self._engine.prepare(self.layers[0].weight.device)
 
+    def _batched_weights(self) -> list[Tensor]:
+        """The weights of the layers in the batched evaluation, in its order."""
+        return [m.weight for m, _, _ in self._batched]
+
     def penalty(self) -> Tensor:
-        batched = self._engine.total([m.weight for m, _, _ in self._batched]) if self._engine is not None else None
+        batched = self._engine.total(self._batched_weights()) if self._engine is not None else None
         return self._single_penalty(batched)
 
     def _single_penalty(self, batched: Tensor | None) -> Tensor:

@@ -385,7 +385,7 @@ class CoMHE(MHE):
         if self._joint is self._compressed:
             total, energies = super().penalty(), self._joint(points)
         else:  # one evaluation of every set: MHE's blocks first
-            mhe = self._engine.pack([m.weight for m, _, _ in self._batched])
+            mhe = self._engine.pack(self._batched_weights())
             energies = self._joint([*mhe, *points])
             total = self._single_penalty(self._engine.weighted_total(energies[:len(mhe)]))
             energies = energies[len(mhe):]

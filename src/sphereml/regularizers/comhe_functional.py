@@ -12,13 +12,14 @@ Note [the unrolled step's backward]
     of the neurons through G = grad_P L_P (:func:`angle_distortion_grad`).  For one group of CNN-9's layers the step
     takes ~43 operations forward and autograd ~80 backward; :func:`unrolled_projection` writes the backward out
     (~45 operations), from the forward's terms
-    (u, v the unit neurons and projections, r = 1/||P w||, M = 4 share (v v^T - u u^T) with grad_v = M v,
+    (u, v the unit neurons and projections, r = 1/||P w||, S = share + share^T,
+    M = 2 S (v v^T - u u^T) with grad_v = M v,
     rho = v . grad_v, grad_z = r (grad_v - rho v), G = grad_z^T W).  Given dL/dG (for the scale-free step,
     dL/dG = eta ((<dL/dP', G> / ||G||^2) G - dL/dP')):
 
     * dL/dgrad_z = W dL/dG^T, and W's first term dL/dG's product with grad_z;
     * dL/dgrad_v = r dL/dgrad_z - a v with a = v . (r dL/dgrad_z), and v's terms -rho r dL/dgrad_z - a grad_v;
-    * through M v: v gets M dL/dgrad_v + Q v with Q = 4 share (dL/dgrad_v v^T + v dL/dgrad_v^T), symmetric,
+    * through M v: v gets M dL/dgrad_v + Q v with Q = 2 S (dL/dgrad_v v^T + v dL/dgrad_v^T), symmetric,
       and the unit neurons get -(sum over projections of Q) u;
     * each normalisation y = t / max(||t||, floor) passes dL/dt = (dL/dy - (y . dL/dy + c) y) / ||t|| (c the
       term through r, dL/dgrad_z . grad_z, for v; the radial part only above the floor, as clamp_min's
@@ -112,8 +113,9 @@ def project(x: Tensor, p: Tensor) -> Tensor:
 def angle_distortion_grad(x: Tensor, p: Tensor, share: Tensor) -> Tensor:
     """grad_P of each layer's L_P (eq. 6.6, as :func:`angle_distortion`), in closed form, batched.
 
-    With v_i = P w_i / ||P w_i||, c_ij the cosines of the neurons and A_ij = 2 share_ij (v_i . v_j - c_ij):
-    dL/dv_i = 2 sum_j A_ij v_j, dL/d(P w_i) = (dL/dv_i - (dL/dv_i . v_i) v_i) / ||P w_i|| and
+    With v_i = P w_i / ||P w_i||, c_ij the cosines of the neurons, L = sum_ij share_ij (v_i . v_j - c_ij)^2 and
+    A_ij = (share_ij + share_ji) (v_i . v_j - c_ij): dL/dv_i = 2 sum_j A_ij v_j,
+    dL/d(P w_i) = (dL/dv_i - (dL/dv_i . v_i) v_i) / ||P w_i|| and
     dL/dP = sum_i dL/d(P w_i) w_i^T.  An explicit expression of W and P, so autograd differentiates it
     with respect to W in one ordinary backward pass (the unrolled AP-CoMHE, eq. 6.7; :func:`unrolled_projection`
     does it with fewer operations).
@@ -121,7 +123,8 @@ def angle_distortion_grad(x: Tensor, p: Tensor, share: Tensor) -> Tensor:
     Args:
         x (Tensor[L, N, d]): the neurons of L layers (zero rows pad short layers).
         p (Tensor[C, k, d] or Tensor[L, C, k, d]): the projections, shared by the layers or one set each.
-        share (Tensor[L, N, N]): each pair's weight in the mean (1 / (C n (n - 1)) for real pairs i != j, else 0).
+        share (Tensor[L, N, N]): each ordered pair's weight in the sum, summed over the C projections (CoMHE's:
+            1 / (C n (n - 1)) for real pairs i != j, else 0, so that L is the mean; any weights are allowed).
 
     Returns:
         Tensor[L, C, k, d]: the gradient of layer l's L_P with respect to its P.
@@ -133,14 +136,19 @@ def projection_step(p: Tensor, grad: Tensor, rate: float, scale_free: bool = Tru
     """Each P_l (Tensor[L, ...]) moved along ``grad_l``: by ``rate * ||P_l|| / ||grad_l||`` (a scale-free step: P's
     scale is arbitrary, Note [projection scale]), or by ``rate`` (``scale_free=False``, the authors' plain step)."""
     if not scale_free:
-        return p + rate * grad
-    dims = tuple(range(1, grad.dim()))
-    ratio = torch.linalg.vector_norm(p.detach(), dim=dims, keepdim=True) / \
-        torch.linalg.vector_norm(grad, dim=dims, keepdim=True).clamp_min(_STEP_FLOOR)
-    return p + rate * ratio * grad
+        return torch.add(p, grad, alpha=rate)
+    return torch.addcmul(p, _step_size(p, grad, rate)[0], grad)
 
 
-_STEP_FLOOR = 1e-30  # projection_step: the least gradient norm it divides by
+_STEP_FLOOR = 1e-30  # the scale-free step: the least gradient norm it divides by
+
+
+def _step_size(p: Tensor, grad: Tensor, rate: float) -> tuple[Tensor, Tensor]:
+    """(rate ||P_l|| / max(||grad_l||, floor), that floored norm) for each l of grad (Tensor[L, ...]); P is
+    Tensor[L, ...] or one Tensor[...] for all l, its norm a constant (Note [projection scale])."""
+    norm = torch.linalg.vector_norm(grad, dim=tuple(range(1, grad.dim())), keepdim=True).clamp_min(_STEP_FLOOR)
+    p_dims = tuple(range(p.dim() - grad.dim() + 1, p.dim()))
+    return torch.linalg.vector_norm(p.detach(), dim=p_dims, keepdim=True) * rate / norm, norm
 
 
 def unrolled_projection(x: Tensor, p: Tensor, share: Tensor, lr: float, scale_free: bool = True) -> Tensor:
@@ -177,19 +185,20 @@ def _distortion_terms(x: Tensor, p: Tensor, share: Tensor) -> tuple[Tensor, tupl
     """(grad_P L_P, the intermediate terms its backward reads): :func:`angle_distortion_grad` step by step."""
     u, inverse_x, live_x = _unit_rows(x)
     v, inverse, live = _unit_rows(project(x, p))  # (L, C, N, k)
-    share4 = 4 * share.unsqueeze(1)  # (L, 1, N, N)
-    weights = share4 * (v @ v.mT - (u @ u.mT).unsqueeze(1))  # 2 A, symmetric: grad_v = weights v
+    share4 = (2 * (share + share.mT)).unsqueeze(1)  # (L, 1, N, N): 4 share for a symmetric one, as CoMHE's
+    weights = share4 * (v @ v.mT - (u @ u.mT).unsqueeze(1))  # symmetric: grad_v = weights v
     grad_v = weights @ v
     radial = live * (grad_v * v).sum(-1, keepdim=True)
     grad_z = inverse * torch.addcmul(grad_v, radial, v, value=-1.0)
     return grad_z.mT @ x.unsqueeze(1), (u, inverse_x, live_x, v, inverse, live, share4, weights, grad_v, radial, grad_z)
 
 
-def _unit_backward(grad_unit: Tensor, unit: Tensor, inverse: Tensor, live: Tensor, extra: Tensor | float = 0.0):
+def _unit_backward(grad_unit: Tensor, unit: Tensor, inverse: Tensor, live: Tensor, extra: Tensor | None = None):
     """dL/dx of unit = x * inverse (inverse = 1 / max(||x||, floor)), given dL/dunit and dL/dinverse * inverse
-    (``extra``): inverse * (grad_unit - [||x|| > floor] (unit . grad_unit + extra) unit)."""
+    (``extra``, none if inverse is used only through unit): inverse * (grad_unit - [||x|| > floor] (unit . grad_unit
+    + extra) unit)."""
     along = (grad_unit * unit).sum(-1, keepdim=True)
-    radial = live * (along if isinstance(extra, float) and extra == 0.0 else along + extra)
+    radial = live * (along if extra is None else along + extra)
     return inverse * torch.addcmul(grad_unit, radial, unit, value=-1.0)
 
 
@@ -211,11 +220,9 @@ class _UnrolledProjection(torch.autograd.Function):
     def forward(x: Tensor, p: Tensor, share: Tensor, lr: float, scale_free: bool) -> tuple[Tensor, ...]:
         grad, terms = _distortion_terms(x, p, share)
         if not scale_free:
-            return torch.add(p, grad, alpha=-lr), grad, *terms
-        dims = (1, 2, 3)
-        norm = torch.linalg.vector_norm(grad, dim=dims, keepdim=True).clamp_min(_STEP_FLOOR)
-        rate = torch.linalg.vector_norm(p, dim=tuple(range(p.dim() - 3, p.dim())), keepdim=True) * lr / norm
-        return torch.addcmul(p, rate, grad, value=-1.0), grad, rate, norm, *terms
+            return projection_step(p, grad, -lr, scale_free), grad, *terms
+        size, norm = _step_size(p, grad, -lr)
+        return torch.addcmul(p, size, grad), grad, size, norm, *terms
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -230,10 +237,10 @@ class _UnrolledProjection(torch.autograd.Function):
         if grad_out is None:  # the stepped projections unused
             return None, None, None, None, None
         x, p, grad, *rest = ctx.saved_tensors
-        if ctx.scale_free:  # out = p - rate(grad) grad, rate = lr ||p|| / max(||grad||, floor)
-            rate, norm, *rest = rest
+        if ctx.scale_free:  # out = p + size(grad) grad, size = -lr ||p|| / max(||grad||, floor)
+            size, norm, *rest = rest
             along = (grad_out * grad).sum((1, 2, 3), keepdim=True) / norm / norm * (norm > _STEP_FLOOR)
-            grad_grad = rate * torch.addcmul(-grad_out, along, grad)
+            grad_grad = size * torch.addcmul(grad_out, along, grad, value=-1.0)
         else:
             grad_grad = grad_out * -ctx.lr
         return _distortion_backward(x, p, grad_grad, *rest), None, None, None, None
