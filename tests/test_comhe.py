@@ -2,6 +2,7 @@
 regulariser's projection bookkeeping (sharing, resampling, seeds), each variant's own step, and bad arguments."""
 
 import dataclasses
+import functools
 import math
 
 import pytest
@@ -330,6 +331,26 @@ def test_unrolled_projection_is_first_order_only_and_runs_outside_autocast():
         penalty = reg.penalty()
     for got, want in zip(torch.autograd.grad(penalty, params, allow_unused=True), expected):
         assert (got is None) == (want is None) and (got is None or torch.equal(got, want))
+
+
+@pytest.mark.parametrize("scale_free", [True, False])
+def test_unrolled_projection_has_forward_mode_adjoint_to_its_backward(scale_free):
+    """Forward mode (torch.func.jvp and forward_ad) through the unrolled step takes the reference's path; its
+    tangent J t satisfies <u, J t> = <J^T u, t> with J^T u from the written-out backward (float64)."""
+    from torch.autograd import forward_ad
+    x, p, share = _unrolled_case(shared=False, num_proj=2)
+    t = torch.randn(x.shape, generator=_g(6), dtype=x.dtype)
+    u = torch.randn(3, 2, 4, 10, generator=_g(7), dtype=x.dtype)
+    step = functools.partial(comhe.unrolled_projection, p=p, share=share, lr=0.3, scale_free=scale_free)
+    out, tangent = torch.func.jvp(step, (x,), (t,))
+    with forward_ad.dual_level():
+        dual = forward_ad.unpack_dual(step(forward_ad.make_dual(x, t)))
+    torch.testing.assert_close(dual.tangent, tangent, rtol=0, atol=0)
+    torch.testing.assert_close(dual.primal, out, rtol=0, atol=0)
+    w = x.clone().requires_grad_(True)
+    (pullback,) = torch.autograd.grad(step(w), w, u)
+    assert tangent.abs().max() > 0
+    torch.testing.assert_close((u * tangent).sum(), (pullback * t).sum(), rtol=1e-12, atol=1e-12)
 
 
 def test_adversarial_step_raises_the_projected_energy():

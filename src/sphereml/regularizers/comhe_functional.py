@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
+from torch.autograd import forward_ad
 from torch.autograd.function import once_differentiable
 
 from .._checks import integer
@@ -155,16 +156,22 @@ def unrolled_projection(x: Tensor, p: Tensor, share: Tensor, lr: float, scale_fr
     """P_l - lr (||P_l|| / ||G_l||) G_l for each layer l, with G = :func:`angle_distortion_grad` (x, p, share):
     one step of the projections against the angle distortion, as a function of the neurons (the unrolled
     AP-CoMHE, eq. 6.7; ``scale_free=False``: P_l - lr G_l).  Differentiated in x by a backward written out
-    (Note [the unrolled step's backward]) when P and the weights are constants, else by autograd; the two give
-    the same numbers (:func:`unrolled_projection_reference`).
+    (Note [the unrolled step's backward]) when P and the weights are constants, else (and in forward mode:
+    ``torch.func.jvp``, ``forward_ad``) by autograd; the two give the same numbers
+    (:func:`unrolled_projection_reference`).
 
     Returns:
         Tensor[L, C, k, d], in x's dtype.
     """
-    if p.requires_grad or share.requires_grad:
+    if p.requires_grad or share.requires_grad or _has_tangent(x, p, share):
         return unrolled_projection_reference(x, p, share, lr, scale_free)
     with torch.autocast(x.device.type, enabled=False):  # the backward mixes saved terms with x: one dtype for all
         return _UnrolledProjection.apply(x, p, share, lr, scale_free)[0]
+
+
+def _has_tangent(*tensors: Tensor) -> bool:
+    """Whether forward mode (``torch.func.jvp``, ``forward_ad``) carries a tangent on any of ``tensors``."""
+    return any(forward_ad.unpack_dual(t).tangent is not None for t in tensors)
 
 
 def unrolled_projection_reference(x: Tensor, p: Tensor, share: Tensor, lr: float, scale_free: bool = True) -> Tensor:
