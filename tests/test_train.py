@@ -1,3 +1,5 @@
+import math
+
 import pytest
 import torch
 from torch import nn
@@ -5,7 +7,7 @@ from torch.utils.data import TensorDataset
 
 from sphereml.data import sphere_clusters, split_dataset
 from sphereml.models import MLP, Classifier
-from sphereml.train import (Tracker, batches, evaluate, fit, num_steps, on_device, resolve_device,
+from sphereml.train import (History, Tracker, batches, evaluate, fit, num_steps, on_device, resolve_device,
                             seed_everything)
 
 
@@ -20,6 +22,15 @@ def make(seed=0, dropout=True):
 @pytest.fixture(scope="module")
 def toy():
     return split_dataset(sphere_clusters(3, 60, 6, concentration=3.0, seed=0), 0.25, seed=0)
+
+
+def test_history_says_whether_training_diverged(toy):
+    """A learning rate of 1e30 sends the loss to inf or nan: the history says so; a sane one does not diverge."""
+    train, _ = toy
+    histories = [fit(make(), train, epochs=2, lr=lr, optimizer="sgd", batch_size=32, device="cpu", progress=False)
+                 for lr in (1e-2, 1e30)]
+    assert [h.diverged for h in histories] == [False, True]
+    assert not math.isfinite(histories[1]["train_loss"][-1]) and not History().diverged
 
 
 def test_fit_learns_and_records_history(toy):

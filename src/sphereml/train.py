@@ -85,6 +85,11 @@ class History:
         """Column ``key`` over epochs, e.g. ``history["val_acc"]``."""
         return [e.get(key) for e in self.epochs]
 
+    @property
+    def diverged(self) -> bool:
+        """Whether training ended on a loss that is not finite (the last epoch's mean training loss, nan or inf)."""
+        return bool(self.epochs) and not math.isfinite(self.epochs[-1]["train_loss"])
+
     def to_dict(self) -> dict:
         return {"epochs": self.epochs, "steps": self.steps}
 
