@@ -23,7 +23,7 @@ from sphereml.energy import gram
 from sphereml.regularizers.comhe import CoMHE
 from sphereml.regularizers import MHE
 
-from .harness import SMOKE, compare, compiling, training_step
+from .harness import SMOKE, compare, compiling, first_call, training_step
 
 COMPILED = ("none", "HS-MHE", "RP-CoMHE", "G-CoMHE")  # on CUDA, also timed compiled
 FUSED_PAIRS = ("HS-MHE", "RP-CoMHE", "G-CoMHE")  # on CUDA, also timed eager with the pair kernels (energy.gram)
@@ -45,7 +45,6 @@ def _with_pair_kernels(step):
         finally:
             gram.PAIRS_BACKEND = saved
 
-    run()  # compiles the kernels before the timing
     return run
 
 
@@ -73,17 +72,12 @@ def run(device: torch.device, batch: int = 128, widths: tuple[int, int, int] = (
                 reg = SimpleNamespace(before_step=reg.before_step, weighted_penalty=torch.compile(reg.weighted_penalty))
             step = training_step(net, x, y, sgd, reg, compile if compile != "penalty" else False)
             label = name + {False: "", "reduce-overhead": " (compiled)", "penalty": " (penalty compiled)"}[compile]
-            try:
-                step()  # compiles here, so a failure to compile drops this candidate only
-            except Exception as exc:  # noqa: BLE001 - report and go on
-                print(f"comhe: {label} failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
-                continue
-            candidates[label] = step
+            if first_call("comhe", label, step):  # compiles here: a failure drops this candidate only
+                candidates[label] = step
         if device.type == "cuda" and name in FUSED_PAIRS and name in candidates:
-            try:
-                candidates[f"{name} (fused pairs)"] = _with_pair_kernels(candidates[name])
-            except Exception as exc:  # noqa: BLE001 - report and go on
-                print(f"comhe: {name} (fused pairs) failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
+            fused = _with_pair_kernels(candidates[name])
+            if first_call("comhe", f"{name} (fused pairs)", fused):  # compiles the kernels before the timing
+                candidates[f"{name} (fused pairs)"] = fused
     print(f"--- CNN-9 training step with a regulariser, widths {widths}, batch {batch}, 32x32x3, 100 classes")
     return compare(f"comhe_train_step_cnn9_b{batch}", candidates, baseline="none", device=device, repeats=repeats,
                    extra={"batch": batch, "widths": list(widths), "network": "CNN-9 (Table E.1)"}, count=True)

@@ -12,7 +12,7 @@ from sphereml.launches import count_ops
 from sphereml.timing import compare as compare_round_robin
 from sphereml.timing import device_name, environment, peak_memory, save_result, training_step
 
-__all__ = ["RESULTS", "SMOKE", "smoke_or", "compiling", "compare", "device_name", "environment", "save",
+__all__ = ["RESULTS", "SMOKE", "smoke_or", "compiling", "first_call", "compare", "device_name", "environment", "save",
            "training_step"]
 
 # SPHEREML_BENCH_RESULTS sends the JSON elsewhere (the smoke test writes to a temporary folder).
@@ -32,6 +32,17 @@ def compiling(device: torch.device) -> bool:
     takes longer than the rest of the suite, which the tests run on a GPU box too), and not with
     ``SPHEREML_BENCH_COMPILE=0``."""
     return device.type == "cuda" and not SMOKE and os.environ.get("SPHEREML_BENCH_COMPILE", "1") != "0"
+
+
+def first_call(benchmark: str, label: str, candidate: Callable[[], object]) -> Callable[[], object] | None:
+    """``candidate`` after one call, which compiles it where it is compiled; None, with the failure printed, when
+    that call fails, so that a candidate that cannot compile drops out alone."""
+    try:
+        candidate()
+    except Exception as exc:  # noqa: BLE001 - report and go on
+        print(f"{benchmark}: {label} failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
+        return None
+    return candidate
 
 
 def save(result: dict, name: str, device: torch.device) -> Path:

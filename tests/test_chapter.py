@@ -28,9 +28,19 @@ def test_resolve_profile(monkeypatch):
 
 def test_output_dir_resolution(tmp_path, monkeypatch):
     monkeypatch.delenv("SPHEREML_OUTPUT", raising=False)
+    monkeypatch.delenv("SPHEREML_GPU_TINY", raising=False)
     assert chapter.resolve_output_dir("ch", tmp_path / "x") == tmp_path / "x"
     monkeypatch.chdir(REPO / "notebooks")
-    assert chapter.resolve_output_dir("ch") == REPO / "_build" / "runs" / "ch"
+    runs = REPO / "_build" / "runs"
+    assert chapter.resolve_output_dir("ch", profile="cpu") == runs / "ch"
+    assert chapter.resolve_output_dir("ch", profile="gpu") == runs / "ch"
+    # the runs the ledger skips keep apart, so that a quick check never overwrites a recorded run's metrics
+    assert chapter.resolve_output_dir("ch", profile="smoke") == runs / "smoke" / "ch"
+    monkeypatch.setenv("SPHEREML_GPU_TINY", "1")
+    assert chapter.resolve_output_dir("ch", profile="gpu") == runs / "tiny" / "ch"
+    assert chapter.resolve_output_dir("ch", profile="cpu") == runs / "ch"
+    monkeypatch.setenv("SPHEREML_PROFILE", "smoke")
+    assert chapter.resolve_output_dir("ch") == runs / "smoke" / "ch"
     monkeypatch.setenv("SPHEREML_OUTPUT", str(tmp_path / "env"))
     assert chapter.resolve_output_dir("ch") == tmp_path / "env"
 

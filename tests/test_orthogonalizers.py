@@ -294,3 +294,87 @@ def test_cayley_step_arguments():
         orth.cayley_sgd_step(u, torch.zeros(3, 3), 0.0)
     with pytest.raises(ValueError, match="iterations"):
         orth.cayley_sgd_step(u, torch.zeros(3, 3), 0.1, iterations=0)
+
+
+@pytest.mark.parametrize("m", [7, orth.BATCHED_LU_ROWS + 2])  # one batched call / one call per matrix on the CPU
+def test_solve_invertible_solves_each_matrix_of_a_broadcast_batch(m):
+    lhs = _raw(2, 1, m, m) + 2 * m * torch.eye(m, dtype=torch.float64)  # well conditioned
+    rhs = _raw(1, 3, m, 2, seed=1)
+    x = orth.solve_invertible(lhs, rhs)
+    assert x.shape == (2, 3, m, 2)
+    for i in range(2):
+        for j in range(3):
+            torch.testing.assert_close(x[i, j], torch.linalg.solve(lhs[i, 0], rhs[0, j]), rtol=1e-12, atol=1e-12)
+    assert torch.autograd.gradcheck(orth.solve_invertible, (lhs.requires_grad_(), rhs.requires_grad_()),
+                                    fast_mode=True)
+    assert orth.solve_invertible(lhs[:0], rhs[:, :0]).shape == (0, 0, m, 2)  # an empty batch
+    square = lhs[:, 0]  # (2, m, m); on the right, as torch.linalg.solve takes them: vectors, broadcast matrices
+    for right in (_raw(2, m, seed=2), _raw(m, seed=3), _raw(m, 2, seed=4), _raw(3, 1, m, 2, seed=5)):
+        torch.testing.assert_close(orth.solve_invertible(square, right), torch.linalg.solve(square, right),
+                                   rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.subprocess
+def test_batched_solves_survive_a_set_thread_count():
+    """Note [batched LU on the CPU]: once torch.set_num_threads has been called, PyTorch's batched CPU solve of
+    matrices from about 150 rows fails inside MKL and hangs on a machine with two threads or more; the Cayley map
+    and the closed-form OGD step, forward and backward, solve them one by one."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    src = Path(orth.__file__).resolve().parents[2]
+    code = ("import torch\nfrom sphereml.regularizers import orthogonalizers as o\n"
+            "torch.set_num_threads(max(2, torch.get_num_threads()))\n"
+            "a = torch.randn(3, 256, 256, requires_grad=True)\n"
+            "o.cayley(o.skew(a)).sum().backward()\n"
+            "u = o.qr_orthogonalize(torch.randn(3, 256, 256))\n"
+            "o.cayley_sgd_step(u, torch.randn_like(u), 0.1, iterations=None)\n"
+            "print('solved')\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(src), os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0 and "solved" in done.stdout, done.stderr[-2000:]
+    assert "MKL ERROR" not in done.stdout + done.stderr
+
+
+def _cholesky_qr_by_autograd(u, rows):
+    """cholesky_qr's forward as plain operations, differentiated by autograd: the oracle of its written-out backward."""
+    a = u if rows else u.mT
+    gram = a @ a.mT
+    gram = gram + torch.diag_embed(torch.diagonal(gram, dim1=-2, dim2=-1).sum(-1, keepdim=True).detach().expand(
+        *gram.shape[:-1]) * torch.finfo(torch.float64).eps + 1e-30)
+    q = torch.linalg.solve_triangular(torch.linalg.cholesky(gram), a, upper=False)
+    return q if rows else q.mT
+
+
+@pytest.mark.parametrize("rows", [True, False])
+def test_cholesky_qr_backward_is_autograds_of_the_same_forward(rows):
+    """Note [the LQ backward], in float64 (where cholesky_qr casts nothing).  The closed form treats the ridge of
+    rounding size as absent, which moves the gradient by about 1e-11 here; on ill-conditioned input both move with
+    the square of the condition number (test_cholesky_qr_is_the_qr_map_in_values_and_gradients)."""
+    u = _raw(3, 8, 8)
+    weights = _raw(3, 8, 8, seed=4)
+    grads = []
+    for fn in (orth.cholesky_qr, _cholesky_qr_by_autograd):
+        x = u.clone().requires_grad_(True)
+        (fn(x, rows) * weights).sum().backward()
+        grads.append(x.grad)
+    assert float((grads[0] - grads[1]).norm() / grads[1].norm()) < 1e-10
+    assert torch.autograd.gradcheck(lambda x: orth.cholesky_qr(x, rows), (u[:2, :5, :5].clone().requires_grad_(),))
+
+
+def test_cholesky_qr_is_first_order_and_maps_over_stacked_seeds():
+    u = _raw(4, 6, 6)
+    x = u.clone().requires_grad_(True)
+    (grad,) = torch.autograd.grad(orth.cholesky_qr(x).square().mul(_raw(4, 6, 6, seed=5)).sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="differentiable"):
+        grad.sum().backward()  # a second derivative would be wrong, so it is refused
+
+    weights = _raw(6, 6, seed=6)
+
+    def loss(v):
+        return (orth.cholesky_qr(v) * weights).sum()
+    stacked = torch.func.vmap(torch.func.grad(loss))(u)
+    for i in range(4):
+        torch.testing.assert_close(stacked[i], torch.func.grad(loss)(u[i]), rtol=1e-12, atol=1e-12)

@@ -87,7 +87,7 @@ def test_a_chapter_notebook_runs_alone_in_an_empty_folder(fresh_env, tmp_path):
     printed = "".join("".join(o.get("text", "")) for c in executed["cells"] for o in c.get("outputs", [])
                       if o.get("name") == "stdout")
     assert "profile=smoke" in printed
-    metrics = json.loads((folder / "_build" / "runs" / CHAPTER / "metrics.json").read_text())
+    metrics = json.loads((folder / "_build" / "runs" / "smoke" / CHAPTER / "metrics.json").read_text())
     assert metrics["profile"] == "smoke" and metrics["claims"] and metrics["figures"]
 
 
@@ -99,6 +99,6 @@ def test_the_conclusion_runs_alone_from_a_clone_of_the_repository(fresh_env, tmp
     executed, folder = _run_alone(fresh_env, tmp_path, "10_conclusion", HOME=str(home),
                                   SPHEREML_REPO=f"file://{REPO}")
     assert (home / ".cache" / "sphereml" / "sources" / "book" / "claims.json").is_file()
-    metrics = json.loads((folder / "_build" / "runs" / "10_conclusion" / "metrics.json").read_text())
+    metrics = json.loads((folder / "_build" / "runs" / "smoke" / "10_conclusion" / "metrics.json").read_text())
     assert metrics["figures"] and metrics["params"]["ledger"] == ""
 

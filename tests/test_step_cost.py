@@ -11,7 +11,7 @@ import torch
 
 from sphereml.heads import margins
 from sphereml import models
-from sphereml.regularizers import opt
+from sphereml.regularizers import opt, orthogonalizers
 from sphereml import regularizers as R
 from sphereml.regularizers.comhe import VARIANTS, CoMHE
 from sphereml.layers.decoupled import DecoupledConv2d
@@ -117,11 +117,53 @@ def test_operations_do_not_grow_with_projections():
     assert counts[0] <= counts[1] == counts[2]
 
 
-def test_opt_gs_cnn6_step_within_budget():
+@pytest.fixture
+def opt_as_on_a_gpu(monkeypatch):
+    """OPT's maps as a GPU computes them: Gram-Schmidt and Householder by Cholesky, Löwdin by eigh, exp without host
+    branches (the CPU's LAPACK calls are single operations that a GPU splits into several), a batch of Cayley
+    solves in one call; on one thread, where the CPU's batched solve is safe (Note [batched LU on the CPU])."""
+    monkeypatch.setattr(orthogonalizers, "qr_lapack", orthogonalizers.cholesky_qr)
+    monkeypatch.setattr(orthogonalizers, "lowdin_svd", orthogonalizers.lowdin_eigh)
+    monkeypatch.setattr(orthogonalizers, "exp_map", orthogonalizers.exp_map_fixed)
+    monkeypatch.setattr(orthogonalizers, "solve_invertible", lambda lhs, rhs: torch.linalg.solve_ex(lhs, rhs)[0])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _opt_step(method, depth=6):
     torch.manual_seed(0)
-    net = models.Classifier(models.opt_cnn(6, width=64), 100)
-    opt.overparameterize_model(net, "gs")
-    assert count_ops(_step(net)).total <= 2000
+    net = models.Classifier(models.opt_cnn(depth, width=64), 100)
+    if method == "plain":
+        return _step(net)
+    opt.overparameterize_model(net, method)
+    optimizer = opt.ogd_optimizer(net) if method == "ogd" else None
+    return _step(net, opt.OrthogonalRelaxation(net) if method == "or" else None, optimizer)
+
+
+# Launching operations of one CNN-6 step (Table F.1, width 64) with each OPT method, the maps as on a GPU; the plain
+# step has 78.  Measured on torch 2.13 with the rotations evaluated together (Note [rotations evaluated together])
+# and the LQ backward written out (Note [the LQ backward]): gs 189, householder 175, lowdin 250, cayley 148,
+# matrix_exp 1,117, or 166, ogd 230; one evaluation per layer and autograd's LQ backward took 379 / 365 / 442 / 204 /
+# 2,465 / 221 / 461.  The issue's budget for gs is 2,000; OPT_REGRESSION holds each to about 1.25x its count.
+OPT_REGRESSION = {"gs": 240, "householder": 225, "lowdin": 315, "cayley": 185, "matrix_exp": 1400, "or": 210,
+                  "ogd": 290}
+
+
+@pytest.mark.parametrize("method", list(OPT_REGRESSION))
+def test_opt_cnn6_step_within_its_operation_budget(method, opt_as_on_a_gpu):
+    ops = count_ops(_opt_step(method)).total
+    assert ops <= min(2000, OPT_REGRESSION[method]), f"{method}: {ops} operations per step"
+
+
+@pytest.mark.parametrize("method", list(OPT_REGRESSION))
+def test_opt_operations_do_not_grow_with_layers(method, opt_as_on_a_gpu):
+    """CNN-9 has three more OPT layers than CNN-6, all of a size CNN-6 has (d = 576): its rotations cost no more
+    evaluations; each new layer adds only its own product W = V R^T (forward and backward, at most 6 operations)."""
+    extra = {depth: count_ops(_opt_step(method, depth)).total - count_ops(_opt_step("plain", depth)).total
+             for depth in (6, 9)}
+    assert extra[9] - extra[6] <= 3 * 6, extra
 
 
 # ---------------------------------------------------------------- no host reads

@@ -29,7 +29,8 @@ module:
   :mod:`~sphereml.regularizers.comhe_functional` (CoMHE's projected, group and bilateral energies, L_P),
   :mod:`~sphereml.regularizers.convsim` (convolutional similarity of kernels, pure tensor math),
   :mod:`~sphereml.regularizers.orthogonalizers` (Gram-Schmidt, Householder, Löwdin, Cayley, exp; the Cayley
-  SGD step) and :mod:`~sphereml.regularizers.opt` (orthogonal over-parameterised layers, refinement, OGD).
+  SGD step), :mod:`~sphereml.regularizers.rotations` (an OPT layer's rotation; a model's rotations evaluated
+  together) and :mod:`~sphereml.regularizers.opt` (orthogonal over-parameterised layers, refinement, OGD).
 * :mod:`~sphereml.models` — the book's networks, built from operator factories; ``Classifier``.
 * :mod:`~sphereml.initialisation` — He initialisation, the thesis's starting point (``he_init_``).
 * :mod:`~sphereml.data` — Fashion-MNIST, digits, CIFAR-10/100, synthetic sphere data.

@@ -29,7 +29,6 @@ Note [seeds together]
 from __future__ import annotations
 
 import os
-import subprocess
 import textwrap
 import time
 import weakref
@@ -46,13 +45,13 @@ from ..multiseed import batches_seeds, can_train_together, fit_seeds
 from ..recalibration import has_running_stats, recalibrate, stats_fresh
 from ..train import collect_outputs, evaluate, fit, resolve_device, seed_everything
 from .report import ClaimCard, VerdictTable, show
+from .runs import (FULL_SCALE, PROFILES, REPOSITORY, default_output_dir, is_tiny, published_sources, repo_root,
+                   resolve_output_dir, resolve_profile)
 from .verdicts import NOT_TESTABLE, verdict_name
 
 __all__ = ["PROFILES", "CLAIM_KINDS", "REPOSITORY", "resolve_profile", "configure_backends", "repo_root",
-           "published_sources", "default_output_dir", "resolve_output_dir", "Chapter"]
+           "published_sources", "is_tiny", "default_output_dir", "resolve_output_dir", "Chapter"]
 
-PROFILES = ("smoke", "cpu", "gpu", "paper")
-FULL_SCALE = ("gpu", "paper")  # the profiles that train the sources' CIFAR networks
 CLAIM_KINDS = (  # what a claim is about (thesis Ch. 8's three claims, and the rest)
     "generalisation",  # accuracy on held-out data
     "convergence",  # how fast or whether training goes
@@ -60,18 +59,8 @@ CLAIM_KINDS = (  # what a claim is about (thesis Ch. 8's three claims, and the r
     "efficiency",  # time or memory
     "geometry/theory",  # an identity, a bound, a property of the representation or the weights
 )
-REPOSITORY = "https://github.com/sphereml/sphereml"  # where the book is published from (_config.yml)
 PAGE_WIDTH = 96  # characters of a printed line that fit the book's column
 RECALIBRATION_BATCHES = 40  # Chapter.recalibrate_if_stale: at most 40 x 256 training images
-
-
-def resolve_profile(profile: str = "auto") -> str:
-    """Map ``auto`` to ``$SPHEREML_PROFILE``, else ``gpu`` with CUDA, else ``cpu``; validate the name."""
-    if profile == "auto":
-        profile = os.environ.get("SPHEREML_PROFILE") or ("gpu" if torch.cuda.is_available() else "cpu")
-    if profile not in PROFILES:
-        raise ValueError(f"profile must be 'auto' or one of {PROFILES}, got {profile!r}")
-    return profile
 
 
 def configure_backends(profile: str, device: torch.device) -> dict:
@@ -89,58 +78,6 @@ def configure_backends(profile: str, device: torch.device) -> dict:
         torch.backends.cudnn.benchmark = profile in FULL_SCALE or torch.backends.cudnn.benchmark
     return {"cudnn_benchmark": torch.backends.cudnn.benchmark, "cudnn_allow_tf32": torch.backends.cudnn.allow_tf32,
             "float32_matmul_precision": torch.get_float32_matmul_precision()}
-
-
-def repo_root(start: str | os.PathLike | None = None) -> Path | None:
-    """The nearest folder at or above ``start`` (default: cwd) that holds ``_toc.yml``."""
-    here = Path(start or Path.cwd()).resolve()
-    for folder in (here, *here.parents):
-        if (folder / "_toc.yml").is_file():
-            return folder
-    return None
-
-
-def published_sources(url: str | None = None, dest: str | os.PathLike | None = None) -> Path:
-    """The book's repository as files, for a notebook run outside it (Colab, a downloaded ``.ipynb``): chapter
-    10 reads the claims ledger, the benchmark results and the errata page from there.
-
-    A shallow ``git clone`` of ``url`` (default ``$SPHEREML_REPO``, else :data:`REPOSITORY`) into ``dest``
-    (default ``~/.cache/sphereml/sources``), made on first use; an existing clone is used as it is.
-
-    Raises:
-        RuntimeError: the clone is missing, ``url`` is remote and ``$SPHEREML_NO_DOWNLOAD`` is set, or git fails.
-    """
-    url = url or os.environ.get("SPHEREML_REPO") or REPOSITORY
-    dest = Path(dest) if dest is not None else Path.home() / ".cache" / "sphereml" / "sources"
-    if repo_root(dest) == dest.resolve():
-        return dest
-    if os.environ.get("SPHEREML_NO_DOWNLOAD") and "://" in url and not url.startswith("file://"):
-        raise RuntimeError(f"refusing to clone {url}: $SPHEREML_NO_DOWNLOAD is set")
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        done = subprocess.run(["git", "clone", "--quiet", "--depth", "1", url, str(dest)], capture_output=True,
-                              text=True)
-    except FileNotFoundError:
-        raise RuntimeError(f"could not clone {url}: git is not installed") from None
-    if done.returncode != 0:
-        raise RuntimeError(f"could not clone {url} into {dest}: {done.stderr.strip()[-300:]}")
-    return dest
-
-
-def default_output_dir(chapter: str, start: str | os.PathLike | None = None) -> Path:
-    """``<repo>/_build/runs/<chapter>``, the repository found from ``start`` (default: cwd); outside one,
-    ``./_build/runs/<chapter>``."""
-    return (repo_root(start) or Path.cwd()) / "_build" / "runs" / chapter
-
-
-def resolve_output_dir(chapter: str, output_dir: str | os.PathLike = "") -> Path:
-    """Where a chapter writes figures and metrics: ``output_dir`` if given, else ``$SPHEREML_OUTPUT``,
-    else :func:`default_output_dir`."""
-    if output_dir:
-        return Path(output_dir)
-    if os.environ.get("SPHEREML_OUTPUT"):
-        return Path(os.environ["SPHEREML_OUTPUT"])
-    return default_output_dir(chapter)
 
 
 def _tiny_cifar(num_classes: int, seed: int) -> tuple[TensorDataset, TensorDataset]:
@@ -180,7 +117,7 @@ class Chapter:
         self.profile = resolve_profile(profile)
         # SPHEREML_GPU_TINY=1: the gpu (or paper) profile's code paths at the smoke profile's sizes, with a tiny
         # synthetic CIFAR, so that a CPU proves they execute (tests/test_notebooks.py); the ledger skips such runs
-        self.tiny = self.full_scale and os.environ.get("SPHEREML_GPU_TINY") == "1"
+        self.tiny = is_tiny(self.profile)
         self.device = resolve_device(device)
         # Note [seeds together]: the gpu and paper profiles train a comparison's seeds in one batched step
         together = os.environ.get("SPHEREML_SEEDS_TOGETHER", "")
@@ -190,7 +127,7 @@ class Chapter:
         self.seed = integer("seed", seed, at_least=0)
         seed_everything(seed)
         self._started = time.perf_counter()
-        self.output_dir = resolve_output_dir(name, output_dir)
+        self.output_dir = resolve_output_dir(name, output_dir, self.profile)
         self.output_dir.mkdir(parents=True, exist_ok=True)
         self.metrics: dict = {
             "chapter": name, "profile": self.profile, "device": str(self.device),

@@ -36,7 +36,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from .chapter import CLAIM_KINDS, PROFILES
+from .chapter import CLAIM_KINDS
+from .runs import PROFILES
 from .verdicts import NOT_TESTABLE, VERDICTS
 
 __all__ = ["FAMILIES", "THESIS_KINDS", "VERDICT_ORDER", "NO_KIND", "BENCHMARKS", "load_snapshot",

@@ -21,7 +21,8 @@ import json
 import os
 from pathlib import Path
 
-from .chapter import CLAIM_KINDS, PROFILES
+from .chapter import CLAIM_KINDS
+from .runs import PROFILES
 from .report import LEDGER_PROFILES, claim_records, ledger_table, scale_changes
 from .verdicts import VERDICTS
 

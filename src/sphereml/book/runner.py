@@ -12,11 +12,11 @@ Command line::
     python -m sphereml.book estimate 02_large_margin [-p profile paper] [--runs _build/runs]
 
 ``run`` executes ``notebooks/NAME.ipynb`` through papermill into DIR (default
-``_build/runs/NAME``), which then holds the executed notebook, the figures and
-``metrics.json``; it exits non-zero when the chapter fails.  Parameter names are
-checked against the chapter's ``parameters`` cell and values are converted to the
-type of their default.  ``ledger`` merges the claims of the runs under ``--runs`` (``cpu``, ``gpu`` and
-``paper`` runs; :mod:`sphereml.book.ledger`) into ``book/claims.json`` and rewrites ``book/claims.md``.
+``_build/runs/NAME``; ``_build/runs/smoke/NAME`` for a smoke run and ``_build/runs/tiny/NAME`` for a tiny gpu run,
+which the ledger skips), which then holds the executed notebook, the figures and ``metrics.json``; it exits
+non-zero when the chapter fails.  Parameter names are checked against the chapter's ``parameters`` cell and values
+are converted to the type of their default.  ``ledger`` merges the claims of the runs under ``--runs`` (``cpu``,
+``gpu`` and ``paper`` runs; :mod:`sphereml.book.ledger`) into ``book/claims.json`` and rewrites ``book/claims.md``.
 ``estimate`` reads the chapter's measured ``gpu`` run under ``--runs`` and prints how long its ``paper`` profile
 would take on that device (:func:`sphereml.book.recipes.paper_estimate`).
 """
@@ -30,7 +30,7 @@ import os
 import sys
 from pathlib import Path
 
-from .chapter import default_output_dir, repo_root
+from .runs import default_output_dir, repo_root
 
 __all__ = ["chapter_parameters", "run_chapter", "cache_executed_notebook", "write_ledger", "estimate_text", "main"]
 
@@ -79,7 +79,8 @@ def run_chapter(name: str, parameters: dict | None = None, output_dir=None, note
                 kernel_name: str | None = None) -> Path:
     """Execute chapter ``name`` through papermill; return the executed notebook's path.
 
-    Figures and ``metrics.json`` go to ``output_dir`` (default ``_build/runs/<name>``),
+    Figures and ``metrics.json`` go to ``output_dir`` (default ``_build/runs/<name>``, or ``_build/runs/smoke/<name>``
+    and ``_build/runs/tiny/<name>`` for the runs the ledger skips: :func:`~sphereml.book.chapter.default_output_dir`),
     passed to the notebook as its ``output_dir`` parameter.  With no parameters the
     notebook runs unchanged (no injected cell), which lets the book's execution cache
     reuse the result (see :func:`cache_executed_notebook`).
@@ -101,7 +102,7 @@ def run_chapter(name: str, parameters: dict | None = None, output_dir=None, note
         if key not in defaults:
             raise ValueError(f"unknown parameter {key!r} for {name}; its parameters are {sorted(defaults)}")
         params[key] = _convert(key, value, defaults[key])
-    out = Path(output_dir) if output_dir else default_output_dir(name, source)
+    out = Path(output_dir) if output_dir else default_output_dir(name, source, params.get("profile", "auto"))
     out.mkdir(parents=True, exist_ok=True)
     if params and "output_dir" in defaults:
         params.setdefault("output_dir", str(out.resolve()))

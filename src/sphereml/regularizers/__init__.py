@@ -33,6 +33,8 @@ Beside them, in this package:
 * :mod:`~sphereml.regularizers.convsim` — convolutional similarity of kernels (pure tensor math).
 * :mod:`~sphereml.regularizers.orthogonalizers` — Gram-Schmidt, Householder, Löwdin, Cayley, exp; the Cayley
   SGD step.
+* :mod:`~sphereml.regularizers.rotations` — the rotation parametrisation of an OPT layer, and a model's rotations
+  evaluated together, one call per method and block size.
 * :mod:`~sphereml.regularizers.opt` — orthogonal over-parameterised training (OPT, PE-OPT, S-OPT), refinement,
   OGD (thesis Ch. 7).
 """

@@ -10,8 +10,10 @@ energy of the neurons, exactly as initialised (eq. 7.2)::
     layer.parametrizations.weight.original            # V: a buffer, never trained
     layer.parametrizations.weight[0].raw              # the learnt matrix that R is made from
 
-The parametrisation is :class:`OrthogonalRotation` (``torch.nn.utils.parametrize``), so
-``layer.weight`` stays the effective weight and the layer works wherever a plain one does.
+The parametrisation is :class:`~sphereml.regularizers.rotations.OrthogonalRotation` (``torch.nn.utils.parametrize``),
+so ``layer.weight`` stays the effective weight and the layer works wherever a plain one does; a model's rotations
+of one size are evaluated together (:func:`~sphereml.regularizers.rotations.group_rotations`; activation
+checkpointing needs :func:`~sphereml.regularizers.rotations.ungroup_rotations` first).
 Methods (how R is made from the learnt ``raw``; :mod:`sphereml.regularizers.orthogonalizers`):
 
 * ``gs`` / ``mgs`` — Gram-Schmidt on the rows of raw (classic / modified: the same map);
@@ -22,7 +24,7 @@ Methods (how R is made from the learnt ``raw``; :mod:`sphereml.regularizers.orth
 * ``or`` — raw is R, unconstrained, pulled towards orthogonality by :class:`OrthogonalRelaxation`
   (eq. 7.7); ``upt`` — raw is R with no constraint at all (the ablation of Table 7.1).
 
-``gs``, ``mgs`` and ``householder`` run through one LAPACK QR call; ``unrolled=True`` runs the loops of
+``gs``, ``mgs`` and ``householder`` run through one QR factorisation; ``unrolled=True`` runs the loops of
 the thesis's algorithms instead (the same map in exact arithmetic, m sequential steps: the reference).
 Variants: block-diagonal R with ``blocks=k`` (PE-OPT, eqs. F.33-F.34: ``shared=True`` for R_s, else R_u),
 a random subset of the d coordinates rotated at a time (S-OPT, ``subset=``; :class:`Resampler` merges and
@@ -42,117 +44,18 @@ from .._checks import integer, one_of, real_number
 from ..energy import hyperspherical_energy
 from ..geometry import normalize as unit_rows
 from . import Regularizer, select_layers
+from .rotations import (METHODS, ORTHOGONAL_BY_CONSTRUCTION, OrthogonalRotation, group_rotations, groups_of_equal_size,
+                        opt_layers, rotation_module, ungroup_rotations)
 
 __all__ = [
     "METHODS", "ORTHOGONAL_BY_CONSTRUCTION", "OrthogonalRotation", "orthogonal_overparameterize",
-    "overparameterize_model", "rotation_module", "opt_layers", "rotation_rates", "fixed_neurons", "merge",
-    "resample", "Resampler", "refine_neurons", "OrthogonalRelaxation", "OrthogonalSGD", "ogd_optimizer",
-    "training_parts",
+    "overparameterize_model", "group_rotations", "ungroup_rotations", "rotation_module", "opt_layers",
+    "rotation_rates", "fixed_neurons", "merge", "resample", "Resampler", "refine_neurons", "OrthogonalRelaxation",
+    "OrthogonalSGD", "ogd_optimizer", "training_parts",
 ]
 
-METHODS = ("gs", "mgs", "householder", "lowdin", "cayley", "matrix_exp", "ogd", "or", "upt")
-ORTHOGONAL_BY_CONSTRUCTION = ("gs", "mgs", "householder", "lowdin", "cayley", "matrix_exp")
 REFINEMENTS = (None, "mhe", "hs_mhe")
 SUPPORTED = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
-
-
-class OrthogonalRotation(nn.Module):
-    """The parametrisation V -> V R^T of a weight with ``dim`` inputs per neuron (thesis eq. 7.1).
-
-    Args:
-        dim (int): d, the length of a flattened neuron (``in_features`` or C_in * k * k).
-        method (str): one of :data:`METHODS` (module docstring). Default: ``"gs"``.
-        blocks (int): k, the number of diagonal blocks of R (PE-OPT, eqs. F.33-F.34); must divide d.
-            Block i rotates the contiguous coordinates i d/k .. (i+1) d/k - 1 of each neuron: for a
-            conv kernel flattened as (C_in, k, k), a group of input channels. Default: 1.
-        shared (bool): one block shared by all k (R_s, d^2/k^2 parameters); else k independent
-            blocks (R_u, d^2/k). Default: False.
-        subset (int, optional): S-OPT: rotate only this many randomly drawn coordinates (R of that
-            size, started at the identity); see :func:`resample`. Default: None (all d).
-        unrolled (bool): ``gs`` / ``mgs`` / ``householder``: the unrolled loops instead of one QR. Default: False.
-        generator (torch.Generator, optional): draws the initial raw matrix and the subset.
-        raw_std (float or "unit"): standard deviation of the initial raw entries; ``"unit"``: 1 / sqrt(m)
-            for blocks of m = d / k rows, so that each raw row starts near unit norm. Default: 1 (the thesis).
-
-    The raw matrix starts as the thesis's N(0, 1) draw (App. F.3); ``ogd`` at the identity (the
-    authors' code); ``or`` and ``upt`` at a random orthogonal matrix, so every method starts from a
-    rotation of V; S-OPT at the identity.  ``gs``, ``mgs``, ``householder`` and ``lowdin`` give the
-    same R for c U as for U (c > 0), so the gradient with respect to U scales as 1 / c and an SGD step
-    turns R about lr / c^2 as fast: ``raw_std`` is an effective learning rate of the rotation.
-    """
-
-    def __init__(self, dim: int, method: str = "gs", blocks: int = 1, shared: bool = False,
-                 subset: int | None = None, unrolled: bool = False, generator: torch.Generator | None = None,
-                 raw_std: float | str = 1.0, dtype: torch.dtype | None = None,
-                 device: torch.device | str | None = None):
-        super().__init__()
-        self.dim = integer("dim", dim, at_least=1)
-        self.method = one_of("method", method, METHODS)
-        self.blocks = integer("blocks", blocks, at_least=1, at_most=dim)
-        if dim % blocks:
-            raise ValueError(f"blocks must divide the neuron dimension {dim}, got {blocks}")
-        self.shared, self.unrolled = bool(shared), bool(unrolled)
-        self.subset = None if subset is None else integer("subset", subset, at_least=1, at_most=dim)
-        if self.subset is not None and (blocks > 1 or method == "lowdin"):
-            raise ValueError("subset (S-OPT) rotates one block and needs a method other than 'lowdin' "
-                             "(the SVD's gradient is undefined at its identity start)")
-        size = self.subset or dim // blocks
-        count = 1 if (shared or self.subset) else blocks
-        kw = {"dtype": dtype, "device": device}
-        if self.subset is not None or method == "ogd":
-            raw = torch.eye(size, **kw).repeat(count, 1, 1)
-        else:
-            raw = torch.randn(count, size, size, generator=generator, **kw)
-            raw = raw * (size**-0.5 if raw_std == "unit" else real_number("raw_std", raw_std, above=0.0))
-            if method in ("or", "upt"):
-                raw = orth.qr_orthogonalize(raw)
-        self.raw = nn.Parameter(raw)  # (count, m, m)
-        if self.subset is not None:
-            self.register_buffer("dims", self.draw_subset(generator))
-
-    def draw_subset(self, generator: torch.Generator | None = None) -> Tensor:
-        """A sorted random subset of ``subset`` of the d coordinates (S-OPT)."""
-        return torch.randperm(self.dim, generator=generator)[:self.subset].sort().values.to(self.raw.device)
-
-    def blocks_of_r(self) -> Tensor:
-        """The orthogonal blocks, Tensor[count, m, m] (one when shared or S-OPT)."""
-        raw, method = self.raw, self.method
-        if method in ("gs", "mgs"):  # classic and modified Gram-Schmidt are one map: one QR unless unrolled
-            if self.unrolled:
-                return orth.gram_schmidt(raw, modified=method == "mgs")
-            return orth.qr_orthogonalize(raw)
-        if method == "householder":
-            return orth.householder(raw) if self.unrolled else orth.qr_orthogonalize(raw, rows=False)
-        if method == "lowdin":
-            return orth.lowdin(raw)
-        if method == "cayley":
-            return orth.cayley(orth.skew(raw))
-        if method == "matrix_exp":
-            return orth.exp_map(orth.skew(raw))
-        return raw  # ogd, or, upt
-
-    def rotation(self) -> Tensor:
-        """R as one Tensor[d, d] (block-diagonal, or the identity with the S-OPT block): for analysis."""
-        blocks = self.blocks_of_r()
-        if self.subset is not None:
-            r = torch.eye(self.dim, dtype=blocks.dtype, device=blocks.device)
-            r[self.dims[:, None], self.dims[None, :]] = blocks[0]
-            return r
-        return torch.block_diag(*blocks.expand(self.blocks, -1, -1))
-
-    def forward(self, v: Tensor) -> Tensor:
-        flat = v.flatten(1)  # (n, d): one neuron per row
-        r = self.blocks_of_r()
-        if self.subset is not None:
-            out = flat.index_copy(1, self.dims, flat[:, self.dims] @ r[0].mT)
-        else:
-            parts = flat.unflatten(1, (self.blocks, -1)).transpose(0, 1)  # (k, n, d/k)
-            out = (parts @ r.expand(self.blocks, -1, -1).mT).transpose(0, 1)  # w_i = R v_i per block
-        return out.reshape(v.shape)
-
-    def extra_repr(self) -> str:
-        extra = f", subset={self.subset}" if self.subset else ""
-        return f"dim={self.dim}, method={self.method!r}, blocks={self.blocks}, shared={self.shared}{extra}"
 
 
 def orthogonal_overparameterize(module: nn.Module, method: str = "gs", *, blocks: int = 1, shared: bool = False,
@@ -164,7 +67,8 @@ def orthogonal_overparameterize(module: nn.Module, method: str = "gs", *, blocks
     Args:
         module (nn.Linear or nn.Conv1d/2d/3d): changed in place and returned; its bias stays a plain
             parameter.  Initialise its weight first (the thesis: Kaiming or Xavier normal).
-        method, blocks, shared, subset, unrolled, generator, raw_std: see :class:`OrthogonalRotation`.
+        method, blocks, shared, subset, unrolled, generator, raw_std: see
+            :class:`~sphereml.regularizers.rotations.OrthogonalRotation`.
         normalize (bool): scale every neuron of V to unit norm first (§7.3.7, Table 7.7). Default: False.
         refine (str, optional): ``"mhe"`` or ``"hs_mhe"``: minimise V's (half-space) energy first
             (:func:`refine_neurons`, §7.3.7, Table 7.6). Default: None.
@@ -198,34 +102,22 @@ def overparameterize_model(model: nn.Module, method: str = "gs", include_output:
     """OPT on every conv and linear layer of ``model`` but the classifier (thesis §7.3.1); returns them.
 
     Layers follow :func:`~sphereml.regularizers.select_layers`; keyword arguments go to
-    :func:`orthogonal_overparameterize` (one ``generator`` draws every layer in order).
+    :func:`orthogonal_overparameterize` (one ``generator`` draws every layer in order).  The layers' rotations are
+    evaluated together at each forward of ``model`` (:func:`~sphereml.regularizers.rotations.group_rotations`).
     """
     layers = select_layers(model, include_output=include_output)
     for layer in layers:
         orthogonal_overparameterize(layer, method, **kwargs)
+    group_rotations(model)
     return layers
-
-
-def rotation_module(module: nn.Module) -> OrthogonalRotation:
-    """The :class:`OrthogonalRotation` of an OPT layer (ValueError for any other module)."""
-    if parametrize.is_parametrized(module, "weight"):
-        for p in module.parametrizations.weight:
-            if isinstance(p, OrthogonalRotation):
-                return p
-    raise ValueError(f"{type(module).__name__} has no OPT parametrisation on its weight")
-
-
-def opt_layers(model: nn.Module) -> list[nn.Module]:
-    """The OPT layers of ``model``, in module order."""
-    return [m for m in model.modules() if parametrize.is_parametrized(m, "weight")
-            and any(isinstance(p, OrthogonalRotation) for p in m.parametrizations.weight)]
 
 
 def rotation_rates(model: nn.Module) -> list[Tensor]:
     """Per OPT layer of ``model`` (after a backward pass), each raw block's relative gradient ||dL/dU|| / ||U||
     (Frobenius), Tensor[blocks]: the relative size of an SGD step, so how fast each rotation turns for a
-    scale-free map (``gs``, ``householder``, ``lowdin``; :class:`OrthogonalRotation`).  A shared PE-OPT block
-    sums its k copies' gradients, so it turns faster than an independent one from the same start."""
+    scale-free map (``gs``, ``householder``, ``lowdin``; :class:`~sphereml.regularizers.rotations.OrthogonalRotation`).
+    A shared PE-OPT block sums its k copies' gradients, so it turns faster than an independent one from the same
+    start."""
     raws = [rotation_module(m).raw for m in opt_layers(model)]
     if any(raw.grad is None for raw in raws):
         raise ValueError("rotation_rates needs the gradients of a backward pass through every OPT layer")
@@ -314,9 +206,11 @@ class OrthogonalRelaxation(Regularizer):
             raise ValueError("the model has no OPT layer with method='or'")
 
     def penalty(self) -> Tensor:
+        """One product per block size: the raw blocks of same-sized layers concatenated."""
+        raws = [rotation_module(layer).raw for layer in self.layers]
         total = 0.0
-        for layer in self.layers:
-            r = rotation_module(layer).raw
+        for group in groups_of_equal_size(raws):
+            r = torch.cat([raws[i] for i in group]) if len(group) > 1 else raws[group[0]]  # (blocks, m, m)
             gap = torch.linalg.matrix_norm(r.mT @ r - torch.eye(r.shape[-1], dtype=r.dtype, device=r.device))
             total = total + (gap.pow(2) if self.squared else gap).sum()
         return total
@@ -359,20 +253,44 @@ class OrthogonalSGD(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                buf = self.state[p].setdefault("momentum", torch.zeros_like(p))
-                if group["orthogonal"]:
-                    buf.mul_(group["momentum"]).sub_(p.grad)
-                    new, tangent = orth.cayley_sgd_step(p, buf, group["lr"], group["iterations"])
-                    p.copy_(new)
-                    buf.copy_(tangent)
-                else:
-                    grad = p.grad.add(p, alpha=group["weight_decay"]) if group["weight_decay"] else p.grad
-                    buf.mul_(group["momentum"]).add_(grad)
-                    p.sub_(buf, alpha=group["lr"])
+            params = [p for p in group["params"] if p.grad is not None]
+            if group["orthogonal"]:
+                self._cayley_steps(params, group)
+                continue
+            if params:  # SGD with momentum, one launch per operation for the whole group
+                grads = [p.grad for p in params]
+                if group["weight_decay"]:
+                    grads = torch._foreach_add(grads, params, alpha=group["weight_decay"])
+                bufs = self._momenta(params)
+                torch._foreach_mul_(bufs, group["momentum"])
+                torch._foreach_add_(bufs, grads)
+                torch._foreach_add_(params, bufs, alpha=-group["lr"])
         return loss
+
+    def _momenta(self, params: list[Tensor]) -> list[Tensor]:
+        """Each parameter's momentum buffer, zeros at the first step."""
+        for p in params:
+            if "momentum" not in self.state[p]:
+                self.state[p]["momentum"] = torch.zeros_like(p)
+        return [self.state[p]["momentum"] for p in params]
+
+    def _cayley_steps(self, params: list[Tensor], group: dict) -> None:
+        """The Cayley step of an orthogonal group's matrices, one call per matrix size (as the rotations are
+        evaluated: Note [rotations evaluated together] in :mod:`~sphereml.regularizers.rotations`)."""
+        for indices in groups_of_equal_size(params):
+            ps = [params[i] for i in indices]
+            bufs = self._momenta(ps)
+            direction = _matrices(bufs).mul_(group["momentum"]).sub_(_matrices([p.grad for p in ps]))
+            new, tangent = orth.cayley_sgd_step(_matrices(ps), direction, group["lr"], group["iterations"])
+            sizes = [p.numel() // p.shape[-1] ** 2 for p in ps]
+            torch._foreach_copy_(ps, [t.view_as(p) for t, p in zip(new.split(sizes), ps)])
+            torch._foreach_copy_(bufs, [t.view_as(b) for t, b in zip(tangent.split(sizes), bufs)])
+
+
+def _matrices(tensors: list[Tensor]) -> Tensor:
+    """Tensors of m x m matrices (Tensor[..., m, m] each) concatenated into one Tensor[total, m, m]."""
+    m = tensors[0].shape[-1]
+    return torch.cat([t.reshape(-1, m, m) for t in tensors])
 
 
 def ogd_optimizer(model: nn.Module, lr: float = 0.1, rotation_lr: float = 0.02, momentum: float = 0.9,

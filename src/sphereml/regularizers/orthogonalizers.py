@@ -43,8 +43,8 @@ from .._checks import integer, real_number
 from ..geometry import max_abs_scale
 
 __all__ = ["check_square", "gram_schmidt", "householder", "qr_orthogonalize", "qr_lapack", "cholesky_qr", "lowdin",
-           "lowdin_svd", "lowdin_eigh", "skew", "cayley", "exp_map", "exp_map_fixed", "MAX_SQUARINGS",
-           "cayley_sgd_step", "orthogonality_error"]
+           "lowdin_svd", "lowdin_eigh", "skew", "cayley", "solve_invertible", "BATCHED_LU_ROWS", "exp_map",
+           "exp_map_fixed", "MAX_SQUARINGS", "cayley_sgd_step", "orthogonality_error"]
 
 _TINY = 1e-30  # a floor on squared norms: zero vectors give zeros, never NaN
 
@@ -188,17 +188,55 @@ def cholesky_qr(u: Tensor, rows: bool = True) -> Tensor:
         Rounding already perturbs the float64 Gram matrix by about 2^-52 of its trace, so a ridge of that
         size on its diagonal costs no accuracy and keeps the factorisation finite for a singular U (whose Q
         is not unique; a zero row stays zero).  No host synchronisation: ``cholesky_ex`` does not check for
-        failure.
+        failure.  The backward is written out (Note [the LQ backward]).
     """
     u = check_square(u)
     a = u.to(torch.float64)
-    a = a if rows else a.mT
-    gram = a @ a.mT
-    diagonal = torch.diagonal(gram, dim1=-2, dim2=-1)
-    diagonal += diagonal.sum(-1, keepdim=True).detach() * torch.finfo(torch.float64).eps + _TINY  # the ridge
-    lower = torch.linalg.cholesky_ex(gram)[0]
-    q = torch.linalg.solve_triangular(lower, a, upper=False)
+    q = _CholeskyLQ.apply(a if rows else a.mT)[0]
     return (q if rows else q.mT).to(u.dtype)
+
+
+class _CholeskyLQ(torch.autograd.Function):
+    """(Q, L) with A = L Q, L L^T = A A^T plus a ridge of rounding size, L lower triangular (:func:`cholesky_qr`);
+    the gradient reaches A through Q only, by the closed form of Note [the LQ backward].
+
+    Note [the LQ backward]
+        With A = L Q, Q orthogonal and the loss a function of Q alone, C = dQ Q^T is skew-symmetric and
+        L^-1 dA Q^T = L^-1 dL + C, whose first term is lower triangular: C is the strictly upper part of
+        X = L^-1 dA Q^T minus its transpose.  So dF = <G, dQ> = <G Q^T, C> = <triu(G Q^T - Q G^T, 1), X>, and
+        dF/dA = L^-T triu(G Q^T - Q G^T, 1) Q: two products and one triangular solve, where autograd through
+        the Cholesky factorisation and the solve takes several solves and products more (CNN-6's Gram-Schmidt
+        step: 231 -> 189 operations, counted as in ``tests/test_step_cost.py``).  It treats the ridge as absent:
+        against autograd through the same forward it differs by about 1e-11 relative in float64 on well-conditioned
+        input, the size of the ridge's own effect (tested).  First order only: its second derivative would miss the
+        dependence of Q and L on A, so asking for one raises.
+    """
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(a: Tensor) -> tuple[Tensor, Tensor]:
+        gram = a @ a.mT  # (..., m, m)
+        diagonal = torch.diagonal(gram, dim1=-2, dim2=-1)
+        diagonal += diagonal.sum(-1, keepdim=True) * torch.finfo(torch.float64).eps + _TINY  # the ridge
+        lower = torch.linalg.cholesky_ex(gram)[0]
+        return torch.linalg.solve_triangular(lower, a, upper=False), lower
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        q, lower = output
+        ctx.mark_non_differentiable(lower)
+        ctx.set_materialize_grads(False)  # L's gradient is never used: no zeros made for it
+        ctx.save_for_backward(q, lower)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_q: Tensor | None, grad_lower: None) -> Tensor | None:
+        if grad_q is None:
+            return None
+        q, lower = ctx.saved_tensors
+        gq = grad_q @ q.mT  # G Q^T
+        return torch.linalg.solve_triangular(lower.mT, torch.triu(gq - gq.mT, 1) @ q, upper=True)
 
 
 def lowdin(u: Tensor) -> Tensor:
@@ -255,8 +293,39 @@ def cayley(a: Tensor) -> Tensor:
     """
     check_square(a, "a")
     eye = torch.eye(a.shape[-1], dtype=a.dtype, device=a.device)
-    return torch.linalg.solve_ex(eye - a, eye + a)[0]  # I - A is never singular: no error check (a device sync)
+    return solve_invertible(eye - a, eye + a)
 
+
+#: solve_invertible on the CPU: matrices of at most this many rows are solved as one batch (Note [batched LU on the
+#: CPU]: 144 rows were safe here, 151 are not in pytorch/pytorch#142815).
+BATCHED_LU_ROWS = 64
+
+
+def solve_invertible(lhs: Tensor, rhs: Tensor) -> Tensor:
+    """lhs^-1 rhs for a batch of invertible ``lhs`` (Tensor[..., m, m]) and ``rhs`` as ``torch.linalg.solve`` takes
+    it, with no check for singularity (a check reads the device on the host).  One call for the batch, but on the
+    CPU for matrices of more than :data:`BATCHED_LU_ROWS` rows (Note [batched LU on the CPU]).
+
+    Note [batched LU on the CPU]
+        PyTorch's CPU solve of a batch runs MKL's threaded LU inside its own parallel loop over the batch.  Once
+        ``torch.set_num_threads`` has been called, even with the current count (it turns MKL's dynamic threading
+        off), matrices from about 150 rows on make MKL fail ("Parameter 6 was incorrect on entry to SLASWP") and
+        then hang (pytorch/pytorch#142815; reproduced here with torch 2.13 on 2 threads: five 256 x 256 matrices
+        hang, five of 144 rows or one of any size do not).  The test suite sets the thread count, and so may a
+        reader's script; so on the CPU larger matrices are solved one at a time, as LAPACK solves them inside a
+        batched call anyway (the same numbers), and smaller ones, where a loop would cost more than the solves,
+        in one call.  Under ``torch.func.vmap`` (seeds trained together, :mod:`sphereml.multiseed`) the stacked
+        dimension is out of its sight, so such a run on the CPU after ``torch.set_num_threads`` can still hang.
+    """
+    vector = rhs.dim() == 1 or (rhs.dim() == lhs.dim() - 1 and rhs.shape == lhs.shape[:-1])  # linalg.solve's rule
+    columns = rhs.unsqueeze(-1) if vector else rhs  # (..., m, k)
+    batch = torch.broadcast_shapes(lhs.shape[:-2], columns.shape[:-2])
+    if lhs.device.type != "cpu" or lhs.shape[-1] <= BATCHED_LU_ROWS or math.prod(batch) <= 1:
+        return torch.linalg.solve_ex(lhs, rhs)[0]
+    lhs, columns = lhs.expand(*batch, *lhs.shape[-2:]), columns.expand(*batch, *columns.shape[-2:])
+    solved = [torch.linalg.solve_ex(a, b)[0] for a, b in zip(lhs.flatten(0, -3), columns.flatten(0, -3))]
+    solved = torch.stack(solved).unflatten(0, batch)
+    return solved.squeeze(-1) if vector else solved
 
 MAX_SQUARINGS = 16  # exp_map on a GPU: handles ||A||_1 up to 2^16 (random skew 1024 x 1024: about 1e3)
 
@@ -333,7 +402,7 @@ def cayley_sgd_step(u: Tensor, direction: Tensor, lr: float, iterations: int | N
     step = torch.clamp(1.0 / (norm + 1e-8), max=lr)
     if iterations is None:
         eye = torch.eye(u.shape[-1], dtype=u.dtype, device=u.device)
-        return torch.linalg.solve(eye - 0.5 * step * w, u + 0.5 * step * (w @ u)), tangent
+        return solve_invertible(eye - 0.5 * step * w, u + 0.5 * step * (w @ u)), tangent
     y = u + step * tangent
     for _ in range(iterations):
         y = u + 0.5 * step * (w @ (u + y))
