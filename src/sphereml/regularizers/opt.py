@@ -44,8 +44,8 @@ from .._checks import integer, one_of, real_number
 from ..energy import hyperspherical_energy
 from ..geometry import normalize as unit_rows
 from . import Regularizer, select_layers
-from .rotations import (METHODS, ORTHOGONAL_BY_CONSTRUCTION, OrthogonalRotation, group_rotations, groups_of_equal_size,
-                        opt_layers, rotation_module, ungroup_rotations)
+from .rotations import (METHODS, ORTHOGONAL_BY_CONSTRUCTION, OrthogonalRotation, concatenated_groups, group_rotations,
+                        groups_of_equal_size, opt_layers, rotation_module, ungroup_rotations)
 
 __all__ = [
     "METHODS", "ORTHOGONAL_BY_CONSTRUCTION", "OrthogonalRotation", "orthogonal_overparameterize",
@@ -207,10 +207,8 @@ class OrthogonalRelaxation(Regularizer):
 
     def penalty(self) -> Tensor:
         """One product per block size: the raw blocks of same-sized layers concatenated."""
-        raws = [rotation_module(layer).raw for layer in self.layers]
         total = 0.0
-        for group in groups_of_equal_size(raws):
-            r = torch.cat([raws[i] for i in group]) if len(group) > 1 else raws[group[0]]  # (blocks, m, m)
+        for _, r in concatenated_groups([rotation_module(layer).raw for layer in self.layers]):  # (blocks, m, m)
             gap = torch.linalg.matrix_norm(r.mT @ r - torch.eye(r.shape[-1], dtype=r.dtype, device=r.device))
             total = total + (gap.pow(2) if self.squared else gap).sum()
         return total

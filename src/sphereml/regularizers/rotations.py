@@ -45,7 +45,7 @@ from . import orthogonalizers as orth
 from .._checks import integer, one_of, real_number
 
 __all__ = ["METHODS", "ORTHOGONAL_BY_CONSTRUCTION", "orthogonal_blocks", "OrthogonalRotation", "rotation_module",
-           "opt_layers", "group_rotations", "ungroup_rotations", "groups_of_equal_size"]
+           "opt_layers", "group_rotations", "ungroup_rotations", "groups_of_equal_size", "concatenated_groups"]
 
 METHODS = ("gs", "mgs", "householder", "lowdin", "cayley", "matrix_exp", "ogd", "or", "upt")
 ORTHOGONAL_BY_CONSTRUCTION = ("gs", "mgs", "householder", "lowdin", "cayley", "matrix_exp")
@@ -206,6 +206,13 @@ def groups_of_equal_size(tensors: list[Tensor]) -> list[list[int]]:
     return list(groups.values())
 
 
+def concatenated_groups(tensors: list[Tensor]) -> list[tuple[list[int], Tensor]]:
+    """:func:`groups_of_equal_size` with each group's tensors concatenated along the first dimension (a group of one
+    is the tensor itself): ``(indices, Tensor[total, m, m])`` per group."""
+    return [(group, torch.cat([tensors[i] for i in group]) if len(group) > 1 else tensors[group[0]])
+            for group in groups_of_equal_size(tensors)]
+
+
 def group_rotations(model: nn.Module) -> nn.Module:
     """Evaluate the rotations of ``model``'s OPT layers together at each forward: one call of the map per method and
     block size (Note [rotations evaluated together]).  The hooks go on the smallest module that holds every OPT layer
@@ -254,10 +261,9 @@ def _evaluate_together(scope: nn.Module, args) -> None:
         if rot.method in ORTHOGONAL_BY_CONSTRUCTION:
             by_method[(rot.method, rot.unrolled)].append(rot)
     for (method, unrolled), rots in by_method.items():
-        for group in groups_of_equal_size([rot.raw for rot in rots]):
-            raws = [rots[i].raw for i in group]
-            blocks = orthogonal_blocks(torch.cat(raws) if len(raws) > 1 else raws[0], method, unrolled)
-            for i, r in zip(group, blocks.split([len(raw) for raw in raws])):
+        for group, raw in concatenated_groups([rot.raw for rot in rots]):
+            blocks = orthogonal_blocks(raw, method, unrolled)
+            for i, r in zip(group, blocks.split([len(rots[i].raw) for i in group])):
                 rots[i].handed = (r, rots[i].raw, _version(rots[i].raw))
 
 
