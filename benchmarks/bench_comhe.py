@@ -8,7 +8,9 @@ Goal: any of them adds at most 10 % to the unregularised step.  Each candidate's
 counted too (about one kernel launch each on a GPU); on CUDA the candidates of ``COMPILED`` also run compiled, the
 whole step (CUDA graphs) and the penalty alone (the network eager, as a user who compiles nothing else trains it),
 and those of ``FUSED_PAIRS`` eager with the batched energy's pair kernels (:mod:`sphereml.energy._pair_kernels`:
-HS-MHE's CNN-9 step 173 operations instead of 235, counted on the CPU as a GPU buckets; plain 100).
+HS-MHE's CNN-9 step 138 operations instead of 200, counted on the CPU as a GPU buckets; plain 100), and those of
+``PER_FAN_IN`` with one block per fan-in, as a CPU packs them (Note [blocks by device] in
+:mod:`sphereml.energy.packing`: 216 operations instead of 200, but 1.7 GFLOP per float64 Gram product instead of 3.3).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from types import SimpleNamespace
 import torch
 
 from sphereml import models
-from sphereml.energy import gram
+from sphereml.energy import batched, gram
 from sphereml.regularizers.comhe import CoMHE
 from sphereml.regularizers import MHE
 
@@ -27,6 +29,7 @@ from .harness import SMOKE, compare, compiling, first_call, training_step
 
 COMPILED = ("none", "HS-MHE", "RP-CoMHE", "G-CoMHE")  # on CUDA, also timed compiled
 FUSED_PAIRS = ("HS-MHE", "RP-CoMHE", "G-CoMHE")  # on CUDA, also timed eager with the pair kernels (energy.gram)
+PER_FAN_IN = ("HS-MHE",)  # on CUDA, also timed with one block per fan-in, as on a CPU (energy.batched)
 REGULARIZERS = {
     "HS-MHE": lambda net: MHE(net, half_space=True),
     "RP-CoMHE": lambda net: CoMHE(net),
@@ -61,16 +64,20 @@ def run(device: torch.device, batch: int = 128, widths: tuple[int, int, int] = (
     x = torch.randn(batch, 3, 32, 32, generator=g).to(device)
     y = torch.randint(0, 100, (batch,), generator=g).to(device)
     candidates = {}
+
+    def make(name: str, compile: bool | str = False):
+        torch.manual_seed(0)
+        net = models.Classifier(models.plain_cnn(9, widths=widths, feature_dim=256), 100).to(device)
+        sgd = torch.optim.SGD(net.parameters(), 0.1, momentum=0.9)
+        reg = REGULARIZERS[name](net) if name != "none" else None
+        if compile == "penalty":  # only the penalty through inductor; the network and its backward eager
+            reg = SimpleNamespace(before_step=reg.before_step, weighted_penalty=torch.compile(reg.weighted_penalty))
+        return training_step(net, x, y, sgd, reg, compile if compile != "penalty" else False)
+
     for name in ("none",) + tuple(names):
         modes = (False, "reduce-overhead", "penalty") if name != "none" else (False, "reduce-overhead")
         for compile in modes if compiled and name in COMPILED else (False,):
-            torch.manual_seed(0)
-            net = models.Classifier(models.plain_cnn(9, widths=widths, feature_dim=256), 100).to(device)
-            sgd = torch.optim.SGD(net.parameters(), 0.1, momentum=0.9)
-            reg = REGULARIZERS[name](net) if name != "none" else None
-            if compile == "penalty":  # only the penalty through inductor; the network and its backward eager
-                reg = SimpleNamespace(before_step=reg.before_step, weighted_penalty=torch.compile(reg.weighted_penalty))
-            step = training_step(net, x, y, sgd, reg, compile if compile != "penalty" else False)
+            step = make(name, compile)
             label = name + {False: "", "reduce-overhead": " (compiled)", "penalty": " (penalty compiled)"}[compile]
             if first_call("comhe", label, step):  # compiles here: a failure drops this candidate only
                 candidates[label] = step
@@ -78,6 +85,14 @@ def run(device: torch.device, batch: int = 128, widths: tuple[int, int, int] = (
             fused = _with_pair_kernels(candidates[name])
             if first_call("comhe", f"{name} (fused pairs)", fused):  # compiles the kernels before the timing
                 candidates[f"{name} (fused pairs)"] = fused
+        if device.type == "cuda" and name in PER_FAN_IN:  # the blocks a CPU makes (energy.packing)
+            saved, batched.ACCELERATOR_COLUMN_WASTE = batched.ACCELERATOR_COLUMN_WASTE, None
+            try:  # the regulariser's plan is made at its first call, here
+                step = make(name)
+                if first_call("comhe", f"{name} (a block per fan-in)", step):
+                    candidates[f"{name} (a block per fan-in)"] = step
+            finally:
+                batched.ACCELERATOR_COLUMN_WASTE = saved
     print(f"--- CNN-9 training step with a regulariser, widths {widths}, batch {batch}, 32x32x3, 100 classes")
     return compare(f"comhe_train_step_cnn9_b{batch}", candidates, baseline="none", device=device, repeats=repeats,
                    extra={"batch": batch, "widths": list(widths), "network": "CNN-9 (Table E.1)"}, count=True)

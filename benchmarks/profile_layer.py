@@ -1,5 +1,5 @@
 """Where one patch layer's forward + backward spends its time, by backend: the next measurement of the fused
-epilogue, which the H200 run of 2026-11-27 found slower than the reference nodes (``book/reproducing.md``).
+epilogue, which the H200 run of 2026-11-27 found slower than the reference nodes (``book/measurements.md``).
 
 ``python -m benchmarks.profile_layer [sphereconv|sigmoid|scs|decoupled ...]`` prints, for ``nn.Conv2d`` and for
 the layer's functional form with ``backend="reference"`` and (on CUDA) ``backend="fused"``, at B=128, 128

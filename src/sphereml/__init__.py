@@ -22,11 +22,13 @@ module:
   psi: cos(m theta) by Chebyshev polynomials, A-Softmax's psi_m, ArcFace's cos(theta + m)),
   :mod:`~sphereml.heads.schedules` (the lambda schedule).
 * :mod:`~sphereml.energy` — hyperspherical energy with dense, tiled and Triton backends, sharded over ranks,
-  and many layers at once without device synchronisation (``energy.batched``).
+  and many layers at once without device synchronisation (``energy.batched``, the weights packed by
+  ``energy.packing``).
 * :mod:`~sphereml.regularizers` — regularisers bound to a model's layers once (orthonormality, orthogonality,
   convolutional similarity, MHE), and beside them :mod:`~sphereml.regularizers.comhe` (compressive MHE:
   random, angle-preserving, adversarial, group, bilateral projections),
   :mod:`~sphereml.regularizers.comhe_functional` (CoMHE's projected, group and bilateral energies, L_P),
+  :mod:`~sphereml.regularizers.comhe_options` (CoMHE's variants and options),
   :mod:`~sphereml.regularizers.convsim` (convolutional similarity of kernels, pure tensor math),
   :mod:`~sphereml.regularizers.orthogonalizers` (Gram-Schmidt, Householder, Löwdin, Cayley, exp; the Cayley
   SGD step), :mod:`~sphereml.regularizers.rotations` (an OPT layer's rotation; a model's rotations evaluated

@@ -40,7 +40,7 @@ class OpCount:
 
     ``total`` slightly overstates the kernel launches: a few of its operations allocate or relabel memory and
     launch nothing (``empty``, ``_unsafe_view``, the profiler's ``record_function`` markers), 13 of a plain
-    CNN-9 training step's 100 and 19 of its 235 with HS-MHE (torch 2.13).
+    CNN-9 training step's 100 and 15 of its 200 with HS-MHE (torch 2.13).
     """
 
     total: int = 0

@@ -34,6 +34,7 @@ device for them.
 
 from __future__ import annotations
 
+import functools
 import warnings
 from typing import Sequence
 
@@ -228,6 +229,13 @@ def energy_metric(w: Tensor, s: float = 2.0, metric: str = "euclidean", half_spa
 
 
 @torch.no_grad()
+@functools.lru_cache(maxsize=32)
+def _layer_energies(shapes: tuple, s: float, metric: str, half_space: bool, reduction: str) -> LayerEnergies:
+    """One :class:`~sphereml.energy.batched.LayerEnergies` per network and measure: its packing indices and pair
+    weights are made once, not at every measurement (trackers measure at every few steps)."""
+    return LayerEnergies(list(shapes), s, metric, half_space, reduction=reduction)
+
+
 def layer_energy(layers: Sequence[Tensor | nn.Module], s: float = 2.0, half_space: bool = False,
                  reduction: str = "pair_mean", metric: str = "euclidean") -> float:
     """The energy of a network's layers as one number: the sum over layers of each layer's energy.
@@ -264,7 +272,7 @@ def layer_energy(layers: Sequence[Tensor | nn.Module], s: float = 2.0, half_spac
     large = [w.detach() for w in weights if len(w) > BATCHED_MAX]
     total = 0.0
     if small:
-        engine = LayerEnergies([w.shape for w in small], s, metric, half_space, reduction=reduction)
+        engine = _layer_energies(tuple(w.shape for w in small), s, metric, half_space, reduction)
         total += float(engine.total(small))
     for w in large:
         points = 2 * len(w) if half_space else len(w)

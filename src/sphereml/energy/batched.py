@@ -8,19 +8,19 @@ arithmetic, is the time.  This module evaluates any number of point sets with a 
 that depends only on how many distinct *shapes* they have.
 
 Note [batched energy]
-    (1) *Gram matrices in float64.*  Sets of equal dimension d are stacked into one Tensor[B, N, d]
-    (a set with n < N points is padded with zero rows) and one batched product gives their Gram
-    matrices G = X X^T, in float64 whatever the input dtype.  Normalisation comes after the product
-    and costs nothing extra: cos_ij = g_ij / (n_i n_j) with n_i = max(sqrt(g_ii), 1e-12), the floor of
-    :func:`~sphereml.geometry.normalize`.  In float64 the Gram estimate of a squared distance,
-    r^2 = S_i + S_j - 2 cos_ij (S_i = 1, or 0 for a zero row), carries an absolute error of a few
-    units of 2^-53 instead of float32's 2^-24, so a pair at the floor r^2 = eps = 1e-7 is resolved to
-    about 1e-8 relative: close pairs need no recomputation from differences, hence no ``nonzero``.
-    The products of float32 entries are exact in float64, and float64 squares neither overflow nor
-    underflow for entries between 1e-150 and 1e150, so no max-abs rescaling is needed either.
-    For float64 input the Gram estimate is less exact than the differences of
-    :mod:`~sphereml.energy.dense` (r^2 to about 1e-15 absolute rather than relative): within 1e-12
-    relative of it unless two neurons are closer than about 2 degrees (r^2 < 1e-3).
+    (1) *Gram matrices in float64.*  Sets of equal dimension d are stacked into one Tensor[B, N, d] (a set with n <
+    N points is padded with zero rows; on an accelerator sets of several dimensions share a block, padded with zero
+    columns too, Note [blocks by device] in :mod:`~sphereml.energy.packing`) and one batched product gives their
+    Gram matrices G = X X^T, in float64 whatever the input dtype.  Normalisation comes after the product and costs
+    nothing extra: cos_ij = g_ij / (n_i n_j) with n_i = max(sqrt(g_ii), 1e-12), the floor of
+    :func:`~sphereml.geometry.normalize`.  In float64 the Gram estimate of a squared distance, r^2 = S_i + S_j - 2
+    cos_ij (S_i = 1, or 0 for a zero row), carries an absolute error of a few units of 2^-53 instead of float32's
+    2^-24, so a pair at the floor r^2 = eps = 1e-7 is resolved to about 1e-8 relative: close pairs need no
+    recomputation from differences, hence no ``nonzero``. The products of float32 entries are exact in float64, and
+    float64 squares neither overflow nor underflow for entries between 1e-150 and 1e150, so no max-abs rescaling is
+    needed either. For float64 input the Gram estimate is less exact than the differences of
+    :mod:`~sphereml.energy.dense` (r^2 to about 1e-15 absolute rather than relative): within 1e-12 relative of it
+    unless two neurons are closer than about 2 degrees (r^2 < 1e-3).
     (2) *Half space without doubling.*  The virtual neurons -w_j of §5.3.4 are never built: the pair
     (w_i, -w_j) has r^2 = S_i + S_j + 2 cos_ij, from the same Gram matrix, and contributes with (i, i)
     included (the pair of a neuron and its own negative).  The 2n (2n - 1) ordered pairs of the 2n
@@ -45,9 +45,10 @@ from torch import Tensor
 from .._checks import one_of, real_number
 from .gram import gram_energies
 from .kernels import METRICS
+from .packing import DeviceCache, WeightPacking, column_groups
 
-__all__ = ["REDUCTIONS", "MERGE_WASTE", "ACCELERATOR_MERGE_WASTE", "MERGE_MAX", "buckets", "PointSets", "pair_weights",
-           "SetEnergies", "LayerEnergies", "RowPacking", "DeviceCache"]
+__all__ = ["REDUCTIONS", "MERGE_WASTE", "ACCELERATOR_MERGE_WASTE", "ACCELERATOR_COLUMN_WASTE", "MERGE_MAX", "buckets",
+           "PointSets", "pair_weights", "SetEnergies", "LayerEnergies", "on_accelerator"]
 
 REDUCTIONS = ("pair_mean", "pair_sum")
 
@@ -126,7 +127,7 @@ class SetEnergies:
         """The buckets and pair weights for ``device`` (made there once; call it outside ``torch.compile``)."""
         device = torch.device(device)
         if device not in self._weights:
-            cpu = device.type == "cpu"
+            cpu = not on_accelerator(device)
             groups = buckets([(block.rows, len(block.sizes)) for block in self.blocks],
                              MERGE_WASTE if cpu else ACCELERATOR_MERGE_WASTE, MERGE_MAX if cpu else float("inf"))
             weights = []
@@ -168,6 +169,13 @@ MERGE_WASTE = 1.5  # buckets() on a CPU: at most this many padded pairs per real
 # element-wise passes (~30 passes over 8-byte pairs: ~0.1 us per thousand pairs at 3 TB/s) for every network here;
 # an estimate from those figures, not a timing
 ACCELERATOR_MERGE_WASTE = 4.0
+
+
+# packing.column_groups() on an accelerator: a block shared by several fan-ins does at most this many times its
+# weights' own Gram arithmetic (None: one block per fan-in, as on a CPU).  An estimate, not a timing: each block
+# merged saves about four launches (~80 us of an H200 host's time in the eager steps of 2026-11-27), and 1 GFLOP of
+# float64 products takes ~30 us on its tensor cores
+ACCELERATOR_COLUMN_WASTE = 3.0
 
 
 MERGE_MAX = 2**22  # buckets(): a block with more pairs than this (32 MiB of float64) is evaluated alone
@@ -234,16 +242,19 @@ class _SymmetricGram(torch.autograd.Function):
         return torch.baddbmm(points, grad, points, beta=0.0, alpha=2.0)  # beta = 0: the first argument is unread
 
 
-def _as_rows(w: Tensor) -> Tensor:
-    return w.flatten(1)  # (n, d): one neuron per row
+def on_accelerator(device: torch.device) -> bool:
+    """Whether ``device`` takes an accelerator's blocks (Note [blocks by device]); the tests that count a GPU's
+    operations on the CPU make this say True."""
+    return torch.device(device).type != "cpu"
 
 
 class LayerEnergies:
     """The energy of each of a fixed list of weights (one neuron per row), in one sync-free evaluation.
 
-    Weights with equal fan-in d are packed into one Tensor[L, N, d] (float64, zero rows padding the
-    layers with fewer than N neurons): one packed block per fan-in, evaluated by :class:`SetEnergies`.
-    This is what MHE evaluates at every step and what the chapters measure on trained networks.
+    The weights are packed into zero-padded float64 blocks Tensor[L, N, D] (:mod:`~sphereml.energy.packing`: on a
+    CPU one block per fan-in, on an accelerator fan-ins sharing blocks, Note [blocks by device]) and evaluated by
+    one :class:`SetEnergies`.  This is what MHE evaluates at every step and what the chapters measure on trained
+    networks.
 
     Args:
         shapes (sequence of torch.Size): the weights' shapes (Tensor[n >= 2, ...]; n >= 1 in half space).
@@ -261,98 +272,77 @@ class LayerEnergies:
         halves = [half_space] * len(shapes) if isinstance(half_space, bool) else [bool(h) for h in half_space]
         if len(halves) != len(shapes):
             raise ValueError(f"half_space must be a bool or one per weight, got {len(halves)} for {len(shapes)}")
-        self.shapes = shapes
-        self.groups: dict[int, list[int]] = {}  # fan-in d -> the weights that have it, in order
-        for index, shape in enumerate(shapes):
-            self.groups.setdefault(shape[1:].numel(), []).append(index)
-        blocks, order = [], []
-        for members in self.groups.values():
-            sizes = tuple(shapes[i][0] for i in members)
-            blocks.append(PointSets(max(sizes), sizes, tuple(halves[i] for i in members)))
-            order += members
-        self.engine = SetEnergies(blocks, s, metric, eps, reduction)
-        self.packing = [RowPacking(block.sizes) for block in blocks]
-        self._order = DeviceCache(torch.tensor(order).argsort())  # from packed order back to the weights' order
         coefficients = [1.0] * len(shapes) if coefficients is None else [float(c) for c in coefficients]
         if len(coefficients) != len(shapes):
             raise ValueError(f"coefficients must give one number per weight ({len(shapes)}), got {len(coefficients)}")
-        self._coefficients = DeviceCache(torch.tensor(coefficients, dtype=torch.float64)[order])  # packed order
+        self.shapes, self.half_space, self.coefficients = shapes, halves, coefficients
+        self.options = dict(s=s, metric=metric, eps=eps, reduction=reduction)
+        self._plans: dict[bool, _Plan] = {}  # on an accelerator? -> how the weights are packed and evaluated
+        self.plan(torch.device("cpu"))  # checks the options
+        if torch.accelerator.is_available() or on_accelerator(torch.device("cpu")):
+            self.plan(torch.device("meta"))  # made here, not at a first call that torch.compile may be tracing
+
+    def plan(self, device: torch.device) -> "_Plan":
+        """How the weights are packed and evaluated on ``device`` (Note [blocks by device]), made once per kind: at
+        construction for the CPU, and for an accelerator when the machine has one."""
+        accelerator = on_accelerator(device)
+        if accelerator not in self._plans:
+            waste = ACCELERATOR_COLUMN_WASTE if accelerator else None
+            self._plans[accelerator] = _Plan(self, column_groups(self.shapes, waste))
+        return self._plans[accelerator]
+
+    def _plan_for(self, weights: Sequence[Tensor]) -> "_Plan":
+        if len(weights) != len(self.shapes):
+            raise ValueError(f"weights must have the shapes {self.shapes}, got {[tuple(w.shape) for w in weights]}")
+        return self.plan(weights[0].device)
+
+    def blocks(self, device: torch.device) -> tuple[PointSets, ...]:
+        """The blocks of point sets that :meth:`pack` makes on ``device``."""
+        return self.plan(device).engine.blocks
 
     def pack(self, weights: Sequence[Tensor]) -> list[Tensor]:
-        """The weights of each fan-in group as one float64 Tensor[L, N, d], zero rows padding short layers."""
-        if [w.shape for w in weights] != self.shapes:
-            raise ValueError(f"weights must have the shapes {self.shapes}, got {[tuple(w.shape) for w in weights]}")
-        return [packing([_as_rows(weights[i]) for i in members])
-                for members, packing in zip(self.groups.values(), self.packing)]
+        """The weights as the float64 blocks Tensor[L, N, D] of :meth:`blocks` on their device."""
+        return self._plan_for(weights).packing(weights)
 
-    def prepare(self, device: torch.device) -> None:
-        """Move the constants to ``device`` once (outside ``torch.compile``; :meth:`__call__` does it otherwise)."""
-        self.engine.prepare(device)
-        self._order.get(device)
-        self._coefficients.get(device)
-        for packing in self.packing:
-            packing.index.get(device)
-
-    def _packed(self, weights: Sequence[Tensor]) -> Tensor:
-        return torch.cat(self.engine(self.pack(weights)))  # (L,) in packed order
+    def prepare(self, device: torch.device, dtype: torch.dtype = torch.float32) -> None:
+        """Move the constants for weights of ``dtype`` to ``device`` once (outside ``torch.compile``; :meth:`__call__`
+        does it otherwise)."""
+        plan = self.plan(device)
+        plan.engine.prepare(device)
+        plan.packing.prepare(device, dtype)
+        plan.order.get(device)
+        plan.coefficients.get(device)
 
     def __call__(self, weights: Sequence[Tensor]) -> Tensor:
         """Tensor[L] (float64): the energy of each weight, in the order of ``shapes``."""
-        energies = self._packed(weights)
-        return energies.index_select(0, self._order.get(energies.device)) if len(self.groups) > 1 else energies
+        plan = self._plan_for(weights)
+        energies = torch.cat(plan.engine(plan.packing(weights)))  # (L,) in packed order
+        order = plan.order.get(energies.device)
+        return energies.index_select(0, order) if order is not None else energies
 
     def total(self, weights: Sequence[Tensor]) -> Tensor:
         """sum_l c_l E_l with the ``coefficients`` given at construction, as a 0-dim float64 Tensor."""
-        return self.weighted_total(self.engine(self.pack(weights)))
+        return self.weighted_total(self._plan_for(weights).engine(self.pack(weights)))
 
     def weighted_total(self, energies: Sequence[Tensor]) -> Tensor:
         """:meth:`total` from the energies of :meth:`pack`'s blocks, evaluated elsewhere (a :class:`SetEnergies`
-        whose first blocks are ``self.engine.blocks``: one evaluation for these weights and other sets)."""
+        whose first blocks are :meth:`blocks`: one evaluation for these weights and other sets)."""
         energies = torch.cat(list(energies))
-        return (energies * self._coefficients.get(energies.device)).sum()
+        return (energies * self.plan(energies.device).coefficients.get(energies.device)).sum()
 
 
-class DeviceCache:
-    """A constant made on the CPU and copied to each device once (a copy per step would block the host)."""
+class _Plan:
+    """How a :class:`LayerEnergies` packs and evaluates its weights on one kind of device, given the weights of each
+    block (``members``): their :class:`~sphereml.energy.packing.WeightPacking`, the :class:`SetEnergies` of the
+    blocks, the permutation from the packed order back to the weights' (None when they agree) and the coefficients in
+    packed order."""
 
-    def __init__(self, value: Tensor | None):
-        self.value = value
-        self._copies: dict = {}
-
-    def get(self, device: torch.device) -> Tensor | None:
-        if self.value is None:
-            return None
-        device = torch.device(device)
-        if device not in self._copies:
-            self._copies[device] = self.value.to(device)
-        return self._copies[device]
-
-
-class RowPacking:
-    """Stacks L row matrices Tensor[n_l, d] into one Tensor[L, N = max n_l, d], zero rows padding.
-
-    Equal sizes are a plain stack; otherwise the rows are concatenated with one zero row and gathered by
-    a constant index (two operations, whatever L).  The result is float64 (the energies' Gram
-    matrices) unless ``dtype`` says otherwise.
-    """
-
-    def __init__(self, sizes: Sequence[int]):
-        self.sizes, self.rows = tuple(sizes), max(sizes)
-        index = None
-        if any(n != self.rows for n in sizes):
-            zero, start, rows = sum(sizes), 0, []
-            for n in sizes:
-                rows += list(range(start, start + n)) + [zero] * (self.rows - n)
-                start += n
-            index = torch.tensor(rows)
-        self.index = DeviceCache(index)
-
-    def __call__(self, rows: Sequence[Tensor], dtype: torch.dtype = torch.float64) -> Tensor:
-        first = rows[0]
-        if len(rows) == 1:
-            return first.to(dtype).unsqueeze(0)
-        index = self.index.get(first.device)
-        if index is None:
-            return torch.stack(list(rows)).to(dtype)
-        flat = torch.cat([*rows, first.new_zeros(1, first.shape[1])])  # (sum n_l + 1, d)
-        return flat.to(dtype).index_select(0, index).unflatten(0, (len(rows), self.rows))
+    def __init__(self, layers: LayerEnergies, members: list[list[int]]):
+        shapes, halves = layers.shapes, layers.half_space
+        blocks = [PointSets(max(shapes[i][0] for i in block), tuple(shapes[i][0] for i in block),
+                            tuple(halves[i] for i in block)) for block in members]
+        self.engine = SetEnergies(blocks, **layers.options)
+        self.packing = WeightPacking(shapes, members)
+        order = self.packing.order
+        self.order = DeviceCache(None if order == sorted(order) else torch.tensor(order).argsort())
+        self.coefficients = DeviceCache(torch.tensor([layers.coefficients[i] for i in order], dtype=torch.float64))

@@ -4,7 +4,7 @@ softmax in 10 to 19 operations per training step (``nn.Linear`` + ``cross_entrop
 :func:`~sphereml.heads.margin_ce.label_split` fuses the B x C part of a head, but leaves the head's O(B) part (the
 target logit from the label logit, the scale, the annealing) and the normalisation of the features to autograd:
 a step made 42 (the normalised softmax) to 115 (L-Softmax) operations so, each a kernel launch on a GPU, where
-the H200's eager steps spent about 20 us of host time per operation (``book/reproducing.md``).
+the H200's eager steps spent about 20 us of host time per operation (``book/measurements.md``).
 :func:`fused_margin_loss` writes the head's forward and backward by hand from the custom operators of
 :mod:`~sphereml.heads.margin_ce` and :mod:`~sphereml.heads.margin_tail`:
 

@@ -19,7 +19,7 @@ Note [SphereConv on a GPU]
     kernels.  ``torch.compile`` fuses those passes around the convolution (the layers compile without
     graph breaks, tested with ``fullgraph=True``), so on a GPU compile the network
     (``torch.compile(model)``).  The times against ``nn.Conv2d``, eager and compiled, float32 and bf16, are
-    in ``benchmarks/results/sphereconv_fwd_bwd*-cuda.json`` and ``book/reproducing.md``; in the run of
+    in ``benchmarks/results/sphereconv_fwd_bwd*-cuda.json`` and ``book/measurements.md``; in the run of
     2026-11-26 compiling took the cosine layer from 1.61x to 1.17x of ``nn.Conv2d``.
 """
 

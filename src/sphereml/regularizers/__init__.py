@@ -30,6 +30,7 @@ Beside them, in this package:
   MHE): random, angle-preserving, adversarial, group and bilateral projections (thesis Ch. 6).
 * :mod:`~sphereml.regularizers.comhe_functional` — CoMHE's functional core: projected, group and bilateral
   energies, the angle distortion L_P.
+* :mod:`~sphereml.regularizers.comhe_options` — CoMHE's variants and options (projections, their steps).
 * :mod:`~sphereml.regularizers.convsim` — convolutional similarity of kernels (pure tensor math).
 * :mod:`~sphereml.regularizers.orthogonalizers` — Gram-Schmidt, Householder, Löwdin, Cayley, exp; the Cayley
   SGD step.
@@ -413,7 +414,7 @@ class MHE(Regularizer):
     def before_step(self) -> None:
         """Put the batched evaluation's constants on the weights' device (once), outside any compiled graph."""
         if self._engine is not None:
-            self._engine.prepare(self.layers[0].weight.device)
+            self._engine.prepare(self.layers[0].weight.device, self.layers[0].weight.dtype)
 
     def _batched_weights(self) -> list[Tensor]:
         """The weights of the layers in the batched evaluation, in its order."""
@@ -426,9 +427,7 @@ class MHE(Regularizer):
     def _single_penalty(self, batched: Tensor | None) -> Tensor:
         """The penalty from the batched layers' weighted total (or None): plus the layers evaluated one by one."""
         weight = self.layers[0].weight
-        total = weight.new_zeros(())
-        if batched is not None:
-            total = total + batched.to(weight.dtype)
+        total = batched.to(weight.dtype) if batched is not None else weight.new_zeros(())
         for layer, half, coefficient in self._single:
             if coefficient > 0:
                 total = total + coefficient * self._energy(layer, half)

@@ -36,82 +36,24 @@ Note [CoMHE without host work]
 from __future__ import annotations
 
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 from torch import Tensor, nn
 
-from .._checks import integer, one_of, real_number
+from .._checks import one_of
 from .comhe_functional import (angle_distortion, angle_distortion_grad, bilateral_energy, group_energy, project,
     projected_energies, projection_step, unrolled_projection)
 from ..energy import BATCHED_MAX, hyperspherical_energy, layer_energy
-from ..energy.batched import PointSets, RowPacking, SetEnergies, pair_weights
+from ..energy.batched import PointSets, SetEnergies, pair_weights
+from ..energy.packing import WeightPacking
 from . import MHE
+from .comhe_options import VARIANTS, CoMHEOptions
 
 # The functional core lives in sphereml.regularizers.comhe_functional; its public functions are listed here too, where
 # the regulariser's users look for them.
 __all__ = ["VARIANTS", "CoMHEOptions", "CoMHE", "projected_energies", "angle_distortion", "angle_distortion_grad",
            "unrolled_projection", "group_energy", "bilateral_energy"]
-
-VARIANTS = ("random", "random_max", "angle", "adversarial", "group", "bilateral")
-
-
-@dataclass(frozen=True)
-class CoMHEOptions:
-    """How :class:`CoMHE` draws its projections and how the angle-preserving and adversarial variants move them.
-
-    The thesis's defaults: k = 30 projected coordinates (§6.6.1 says "projection dimension 30, i.e. k = 29";
-    ``proj_dim`` counts the coordinates), C = 5 projections, one basis shared by the layers of equal fan-in,
-    projections redrawn every step (the authors' code).
-
-    Attributes:
-        proj_dim (int): k, the projected dimension. Layers with fan-in d <= k are regularised by plain MHE, as
-            the authors do for the first layer. Default: 30.
-        num_proj (int): C, projections per layer and step (the thesis: 5 for RP, 1 for AP). Default: 5.
-        shared_basis (bool): one projection for all layers of equal fan-in (§6.3.6); else one per layer.
-        resample_every (int, None or "auto"): redraw the projections every this many calls; None never
-            (Table E.4). ``"auto"``: every call, except for ``"angle"`` and ``"adversarial"``, whose fitted
-            projections are kept (the authors' AP code never re-initialises). Default: ``"auto"``.
-        group_size (int): channels per group for ``"group"`` (the thesis: 8).
-        ap_lr (float): the size of a step on P: with ``ap_step="relative"``, ``"angle"`` moves P by
-            ap_lr * ||P|| against grad L_P (alternating and unrolled) and ``"adversarial"`` by as much along the
-            projected energy's gradient (P's scale does not matter to g, so the step is scale-free); with
-            ``"plain"``, P - ap_lr * grad (the authors' code, which uses the network's learning rate).
-            Default: 0.1.
-        ap_step (str): ``"relative"`` or ``"plain"``, see ``ap_lr``. Default: ``"relative"``.
-        ap_every (int): ``"angle"``: fit P by ``ap_steps`` steps on L_P every this many calls (§6.6.1: 10).
-        ap_steps (int): those steps. Default: 1.
-        unrolled (bool): ``"angle"``: use P - ap_lr grad_P L_P(W, P), differentiated through W as well
-            (the one-step unrolled AP-CoMHE, the thesis's best). Default: True.
-        seed (int): seeds the projections. Default: 0.
-    """
-
-    proj_dim: int = 30
-    num_proj: int = 5
-    shared_basis: bool = True
-    resample_every: int | str | None = "auto"
-    group_size: int = 8
-    ap_lr: float = 0.1
-    ap_step: str = "relative"
-    ap_every: int = 10
-    ap_steps: int = 1
-    unrolled: bool = True
-    seed: int = 0
-
-    def __post_init__(self):
-        integer("proj_dim", self.proj_dim, at_least=1)
-        integer("num_proj", self.num_proj, at_least=1)
-        if self.resample_every not in ("auto", None):
-            integer("resample_every", self.resample_every, at_least=1)
-        integer("group_size", self.group_size, at_least=1)
-        object.__setattr__(self, "ap_lr", real_number("ap_lr", self.ap_lr, above=0.0))
-        one_of("ap_step", self.ap_step, ("relative", "plain"))
-        integer("ap_every", self.ap_every, at_least=1)
-        integer("ap_steps", self.ap_steps, at_least=1)
-        integer("seed", self.seed, at_least=0)
-        object.__setattr__(self, "shared_basis", bool(self.shared_basis))
-        object.__setattr__(self, "unrolled", bool(self.unrolled))
-
 
 class _Group:
     """Compressed hidden layers packed together: equal fan-in (or, for "group", equal neuron shape)."""
@@ -119,8 +61,7 @@ class _Group:
     def __init__(self, layers: list[int], sizes: list[int], fan_in: int, neuron_shape: torch.Size):
         self.layers, self.sizes, self.fan_in = layers, sizes, fan_in
         self.neuron_shape = neuron_shape
-        self.packing = RowPacking(sizes)
-        self.rows = self.packing.rows
+        self.rows = max(sizes)
 
 
 class CoMHE(MHE):
@@ -197,9 +138,24 @@ class CoMHE(MHE):
                 blocks.append(PointSets(max(sizes), tuple(n for n in sizes for _ in range(copies)),
                                         (self.half_space,) * (copies * len(sizes))))
         self._compressed = SetEnergies(blocks, self.s) if blocks else None
-        # the penalty's one evaluation: MHE's batched layers (the classifier, uncompressed layers), then these
-        self._joint = SetEnergies([*self._engine.engine.blocks, *blocks], self.s) if blocks and self._engine \
-            else self._compressed
+        # every group's weights as its Tensor[L, N, d], in one concatenation and one gather
+        members, start = [], 0
+        for group in self.groups:
+            members.append(list(range(start, start + len(group.layers))))
+            start += len(group.layers)
+        self._packing = WeightPacking([self.hidden[i].weight.shape for group in self.groups for i in group.layers],
+                                      members) if self.groups else None
+        self._joints: dict = {}  # MHE's plan on a device -> the penalty's one evaluation there (:meth:`_joint`)
+
+    def _joint(self, device: torch.device) -> SetEnergies:
+        """The penalty's one evaluation on ``device``: MHE's batched layers (the classifier, uncompressed layers) in
+        their blocks there (Note [blocks by device]), then the compressed sets (alone when MHE has no layer)."""
+        if self._engine is None:
+            return self._compressed
+        plan = self._engine.plan(device)
+        if plan not in self._joints:
+            self._joints[plan] = SetEnergies([*plan.engine.blocks, *self._compressed.blocks], self.s)
+        return self._joints[plan]
 
     def _sets(self, group: _Group) -> list[tuple[int, list[int]]]:
         """The blocks of point sets a group makes: (sets per layer, points per set of each layer)."""
@@ -272,8 +228,7 @@ class CoMHE(MHE):
     def _fit_angle(self) -> None:
         """AP-CoMHE, alternating part: ``ap_steps`` steps on the summed L_P of the layers sharing each P."""
         with torch.no_grad():
-            for g, group in enumerate(self.groups):
-                x = self._pack(group, detach=True, dtype=self._dtype)
+            for g, (group, x) in enumerate(zip(self.groups, self._pack(detach=True, dtype=self._dtype))):
                 share = self._share_cache(g, group, x.device)
                 p = self._drawn[g].to(self._dtype)
                 for _ in range(self.options.ap_steps):
@@ -288,8 +243,8 @@ class CoMHE(MHE):
         """Adversarial CoMHE: one ascent step of each projection on the summed projected energy of its layers."""
         with torch.enable_grad():
             ps = [p.detach().requires_grad_(True) for p in self._drawn]
-            energies = self._compressed([self._projected(group, self._pack(group, detach=True), p)
-                                         for group, p in zip(self.groups, ps)])
+            energies = self._compressed([self._projected(group, x, p)
+                                         for group, x, p in zip(self.groups, self._pack(detach=True), ps)])
             objective = sum(e.sum() for e in energies) / self.options.num_proj
             grads = torch.autograd.grad(objective, ps)
         with torch.no_grad():
@@ -302,20 +257,21 @@ class CoMHE(MHE):
         """Redraw the projections when due, fit (``"angle"``) or ascend (``"adversarial"``) them; count the call."""
         super().before_step()
         device = self.layers[0].weight.device
-        if self._joint is not None:  # the constants of the penalty (and of the ascent), on the device once
-            self._joint.prepare(device)
+        if self._compressed is not None:  # the constants of the penalty (and of the ascent), on the device once
+            self._joint(device).prepare(device)
             if self.variant == "adversarial":
                 self._compressed.prepare(device)
+        if self._packing is not None:
+            self._packing.prepare(device, self._dtype)
         for g, group in enumerate(self.groups):
-            group.packing.index.get(device)
             if self.variant == "angle":
                 self._share_cache(g, group, device)
         due = self.resample_every is not None and self.calls % self.resample_every == 0
         if due or self._drawn is None:
             self.resample()
-        if self.variant == "angle" and self.calls % self.options.ap_every == 0:
+        if self.variant == "angle" and self.calls % self.options.ap_every == 0 and self.groups:
             self._fit_angle()
-        if self.variant == "adversarial":
+        if self.variant == "adversarial" and self.groups:
             self._ascend()
         self.calls += 1
 
@@ -337,17 +293,19 @@ class CoMHE(MHE):
             self._drawn = own
 
     # ------------------------------------------------------------------ the penalty (pure, batched)
-    def _pack(self, group: _Group, detach: bool = False, dtype: torch.dtype = torch.float64) -> Tensor:
-        rows = [self.hidden[i].weight.flatten(1) for i in group.layers]
-        return group.packing([r.detach() for r in rows] if detach else rows, dtype)  # (L, N, d)
+    def _pack(self, detach: bool = False, dtype: torch.dtype = torch.float64) -> list[Tensor]:
+        """Each group's weights as one Tensor[L, N, d] of ``dtype`` (zero rows padding its smaller layers)."""
+        weights = [self.hidden[i].weight for group in self.groups for i in group.layers]
+        return self._packing([w.detach() for w in weights] if detach else weights, dtype)
 
     @staticmethod
     def _projected(group: _Group, x: Tensor, p: Tensor) -> Tensor:
         """The projected sets of a group as Tensor[L * C, N, k] (layer-major)."""
         return project(x, p).flatten(0, 1)
 
-    def _blocks(self, g: int, group: _Group) -> list[Tensor]:
-        x = self._pack(group)
+    def _blocks(self, g: int, group: _Group, x: Tensor, low: Tensor | None) -> list[Tensor]:
+        """The point sets of group ``g`` from its packed weights ``x`` (float64; ``low``: in the weights' dtype, for
+        the unrolled step)."""
         if self.variant == "group":  # channel groups of a (C_in, k, k) neuron are consecutive coordinates
             groups = group.neuron_shape[0] // self.options.group_size
             return [x.unflatten(2, (groups, -1)).transpose(1, 2).flatten(0, 1)]  # (L * G, N, group_size * k * k)
@@ -355,7 +313,7 @@ class CoMHE(MHE):
         if self.variant == "bilateral":
             return [self._projected(group, x, p), self._drawn[2 * g + 1] @ x]  # (L, N, k), (L, r, d)
         if self.variant == "angle" and self.options.unrolled:  # one unrolled step, a function of W (eq. 6.7)
-            p = self._unrolled(g, group, p)
+            p = self._unrolled(g, low, p)
         return [self._projected(group, x, p)]
 
     @property
@@ -363,10 +321,11 @@ class CoMHE(MHE):
         """The weights' dtype: L_P (smooth in the cosines, no close-pair cancellation) is computed in it."""
         return self.layers[0].weight.dtype
 
-    def _unrolled(self, g: int, group: _Group, p: Tensor) -> Tensor:
-        """P - step * grad_P L_P(W, P) per layer (Tensor[L, C, k, d], float64), a function of W (eq. 6.7)."""
-        x, p = self._pack(group, dtype=self._dtype), p.to(self._dtype)
-        share = self._share_cache(g, group, x.device)
+    def _unrolled(self, g: int, x: Tensor, p: Tensor) -> Tensor:
+        """P - step * grad_P L_P(W, P) per layer (Tensor[L, C, k, d], float64), a function of W (eq. 6.7); ``x``:
+        group ``g``'s packed weights in their dtype."""
+        p = p.to(self._dtype)
+        share = self._share_cache(g, self.groups[g], x.device)
         return unrolled_projection(x, p, share, self.options.ap_lr, self.options.ap_step != "plain").to(torch.float64)
 
     def _share_cache(self, g: int, group: _Group, device: torch.device) -> Tensor:
@@ -381,12 +340,16 @@ class CoMHE(MHE):
             self.resample()
         if self._compressed is None or self.beta_hidden == 0:
             return super().penalty()  # the uncompressed layers and the classifier
-        points = [block for g, group in enumerate(self.groups) for block in self._blocks(g, group)]
-        if self._joint is self._compressed:
-            total, energies = super().penalty(), self._joint(points)
+        packed = self._pack()
+        unrolled = self.variant == "angle" and self.options.unrolled
+        low = self._pack(dtype=self._dtype) if unrolled else [None] * len(packed)
+        points = [block for g, group in enumerate(self.groups) for block in self._blocks(g, group, packed[g], low[g])]
+        joint = self._joint(points[0].device)
+        if joint is self._compressed:
+            total, energies = super().penalty(), joint(points)
         else:  # one evaluation of every set: MHE's blocks first
             mhe = self._engine.pack(self._batched_weights())
-            energies = self._joint([*mhe, *points])
+            energies = joint([*mhe, *points])
             total = self._single_penalty(self._engine.weighted_total(energies[:len(mhe)]))
             energies = energies[len(mhe):]
         per_layer = []
