@@ -228,7 +228,6 @@ def energy_metric(w: Tensor, s: float = 2.0, metric: str = "euclidean", half_spa
     return float(hyperspherical_energy(w.detach(), s=s, metric=metric, half_space=half_space))
 
 
-@torch.no_grad()
 @functools.lru_cache(maxsize=32)
 def _layer_energies(shapes: tuple, s: float, metric: str, half_space: bool, reduction: str) -> LayerEnergies:
     """One :class:`~sphereml.energy.batched.LayerEnergies` per network and measure: its packing indices and pair
@@ -236,6 +235,7 @@ def _layer_energies(shapes: tuple, s: float, metric: str, half_space: bool, redu
     return LayerEnergies(list(shapes), s, metric, half_space, reduction=reduction)
 
 
+@torch.no_grad()
 def layer_energy(layers: Sequence[Tensor | nn.Module], s: float = 2.0, half_space: bool = False,
                  reduction: str = "pair_mean", metric: str = "euclidean") -> float:
     """The energy of a network's layers as one number: the sum over layers of each layer's energy.

@@ -322,7 +322,8 @@ class LayerEnergies:
 
     def total(self, weights: Sequence[Tensor]) -> Tensor:
         """sum_l c_l E_l with the ``coefficients`` given at construction, as a 0-dim float64 Tensor."""
-        return self.weighted_total(self._plan_for(weights).engine(self.pack(weights)))
+        plan = self._plan_for(weights)
+        return self.weighted_total(plan.engine(plan.packing(weights)))
 
     def weighted_total(self, energies: Sequence[Tensor]) -> Tensor:
         """:meth:`total` from the energies of :meth:`pack`'s blocks, evaluated elsewhere (a :class:`SetEnergies`
