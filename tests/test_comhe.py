@@ -141,6 +141,34 @@ def test_penalty_matches_its_definition():
     torch.testing.assert_close(value, expected)
 
 
+def _defined_energy(reg: CoMHE, index: int) -> torch.Tensor:
+    """A compressed hidden layer's energy from the functional definitions, with the projections the penalty used."""
+    w = reg.hidden[index].weight
+    if reg.variant == "group":
+        return group_energy(w, reg.options.group_size)
+    p = reg.projections[reg.key(index)]
+    if reg.variant == "bilateral":
+        return bilateral_energy(w, p[0], reg.projections[("combine", index)])
+    energies = projected_energies(w, p)
+    return energies.amax() if reg.variant == "random_max" else energies.mean()
+
+
+@pytest.mark.parametrize("variant", comhe.VARIANTS)
+def test_every_variants_penalty_matches_its_definition(variant):
+    """The penalty's one weighted sum (or, for the max, its per-layer maxima) is each variant's definition: eqs. 6.4,
+    6.5, 6.9 and E.22 with the projections as fitted or ascended, beta_hidden on every hidden layer and beta_output on
+    the classifier's full-space energy."""
+    model = _net()
+    options = dict(num_proj=1, unrolled=False) if variant in ("angle", "bilateral") else dict(num_proj=3)
+    reg = CoMHE(model, variant=variant, proj_dim=20, group_size=4, beta_hidden=2.0, beta_output=0.5, **options)
+    value = reg()
+    hidden = [_defined_energy(reg, i) if reg.compressed(m) else hyperspherical_energy(m.weight, 2.0, half_space=True)
+              for i, m in enumerate(reg.hidden)]
+    assert sum(reg.compressed(m) for m in reg.hidden) >= 2
+    expected = 2.0 * sum(hidden) + 0.5 * hyperspherical_energy(model.head.weight, 2.0)
+    torch.testing.assert_close(value, expected)
+
+
 @pytest.mark.parametrize("every", [1, 3, None])
 def test_resampling_follows_its_schedule_and_seeds_reproduce(every):
     model = _net()

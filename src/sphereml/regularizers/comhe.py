@@ -23,8 +23,9 @@ and never trained by the data loss.
 Note [CoMHE without host work]
     A step of the regulariser is one batched evaluation (Note [batched energy] in
     :mod:`~sphereml.energy.batched`): the layers of equal fan-in are packed into one Tensor[L, N, d], all
-    their C projections are one batched product, channel groups are a reshape, and every projected set
-    joins one evaluation of the energy.  Projections are drawn on the weights' device, from the
+    their C projections are one batched product, channel groups are a reshape, every projected set
+    joins one evaluation of the energy, and the penalty is one weighted sum of the energies it returns (the max
+    form, eq. 6.5, takes each layer's maximum first).  Projections are drawn on the weights' device, from the
     regulariser's own seeded generator there, all in one draw; drawing them and fitting or ascending P
     (angle-preserving, adversarial) happen in :meth:`CoMHE.before_step`, outside the penalty, so the
     penalty is a pure function of the weights that compiles as one graph.  The unrolled angle-preserving
@@ -46,7 +47,7 @@ from .comhe_functional import (angle_distortion, angle_distortion_grad, bilatera
     projected_energies, projection_step, unrolled_projection)
 from ..energy import BATCHED_MAX, hyperspherical_energy, layer_energy
 from ..energy.batched import PointSets, SetEnergies, pair_weights
-from ..energy.packing import WeightPacking
+from ..energy.packing import DeviceCache, WeightPacking
 from . import MHE
 from .comhe_options import VARIANTS, CoMHEOptions
 
@@ -132,12 +133,16 @@ class CoMHE(MHE):
         self.groups = [_Group(members, [self.hidden[i].weight.shape[0] for i in members],
                               self.hidden[members[0]].weight[0].numel(), self.hidden[members[0]].weight.shape[1:])
                        for members in by_shape.values()]
-        blocks = []
+        blocks, coefficients = [], []
         for group in self.groups:
             for copies, sizes in self._sets(group):
                 blocks.append(PointSets(max(sizes), tuple(n for n in sizes for _ in range(copies)),
                                         (self.half_space,) * (copies * len(sizes))))
+                coefficients += [self.beta_hidden / copies] * (copies * len(sizes))
         self._compressed = SetEnergies(blocks, self.s) if blocks else None
+        # each compressed set's share of the penalty: beta_hidden times a mean over the layer's projections (eq. 6.4)
+        # or channel groups (eq. 6.9), or beta_hidden for each of bilateral's two energies (eq. E.22); not for the max
+        self._set_coefficients = DeviceCache(torch.tensor(coefficients, dtype=torch.float64))
         # every group's weights as its Tensor[L, N, d], in one concatenation and one gather
         members, start = [], 0
         for group in self.groups:
@@ -147,14 +152,16 @@ class CoMHE(MHE):
                                       members) if self.groups else None
         self._joints: dict = {}  # MHE's plan on a device -> the penalty's one evaluation there (:meth:`_joint`)
 
-    def _joint(self, device: torch.device) -> SetEnergies:
-        """The penalty's one evaluation on ``device``: MHE's batched layers (the classifier, uncompressed layers) in
-        their blocks there (Note [blocks by device]), then the compressed sets (alone when MHE has no layer)."""
+    def _joint(self, device: torch.device) -> tuple[SetEnergies, DeviceCache]:
+        """The penalty's one evaluation on ``device`` and each of its sets' coefficients: MHE's batched layers (the
+        classifier, uncompressed layers) in their blocks there (Note [blocks by device]) with MHE's coefficients, then
+        the compressed sets with theirs (alone when MHE has no layer)."""
         if self._engine is None:
-            return self._compressed
+            return self._compressed, self._set_coefficients
         plan = self._engine.plan(device)
         if plan not in self._joints:
-            self._joints[plan] = SetEnergies([*plan.engine.blocks, *self._compressed.blocks], self.s)
+            self._joints[plan] = (SetEnergies([*plan.engine.blocks, *self._compressed.blocks], self.s),
+                                  DeviceCache(torch.cat([plan.coefficients.value, self._set_coefficients.value])))
         return self._joints[plan]
 
     def _sets(self, group: _Group) -> list[tuple[int, list[int]]]:
@@ -258,7 +265,9 @@ class CoMHE(MHE):
         super().before_step()
         device = self.layers[0].weight.device
         if self._compressed is not None:  # the constants of the penalty (and of the ascent), on the device once
-            self._joint(device).prepare(device)
+            joint, coefficients = self._joint(device)
+            joint.prepare(device)
+            coefficients.get(device)
             if self.variant == "adversarial":
                 self._compressed.prepare(device)
         if self._packing is not None:
@@ -344,21 +353,13 @@ class CoMHE(MHE):
         unrolled = self.variant == "angle" and self.options.unrolled
         low = self._pack(dtype=self._dtype) if unrolled else [None] * len(packed)
         points = [block for g, group in enumerate(self.groups) for block in self._blocks(g, group, packed[g], low[g])]
-        joint = self._joint(points[0].device)
-        if joint is self._compressed:
-            total, energies = super().penalty(), joint(points)
-        else:  # one evaluation of every set: MHE's blocks first
-            mhe = self._engine.pack(self._batched_weights())
-            energies = joint([*mhe, *points])
-            total = self._single_penalty(self._engine.weighted_total(energies[:len(mhe)]))
-            energies = energies[len(mhe):]
-        per_layer = []
-        for g, group in enumerate(self.groups):
-            if self.variant == "bilateral":
-                per_layer.append(energies[2 * g] + energies[2 * g + 1])
-            else:
-                sets = energies[g].view(len(group.layers), -1)  # (L, C) or (L, groups)
-                per_layer.append(sets.amax(1) if self.variant == "random_max" else sets.mean(1))
+        joint, coefficients = self._joint(points[0].device)
+        mhe = self._engine.pack(self._batched_weights()) if self._engine is not None else []
+        energies = joint([*mhe, *points])  # one evaluation of every set: MHE's blocks first
+        if self.variant != "random_max":  # every energy enters linearly: one weighted sum
+            return self._single_penalty((torch.cat(energies) * coefficients.get(points[0].device)).sum())
+        total = self._single_penalty(self._engine.weighted_total(energies[:len(mhe)]) if mhe else None)
+        per_layer = [sets.view(len(group.layers), -1).amax(1) for group, sets in zip(self.groups, energies[len(mhe):])]
         hidden = torch.cat(per_layer).sum() if len(per_layer) > 1 else per_layer[0].sum()
         return total + (self.beta_hidden * hidden).to(total.dtype)
 
