@@ -66,10 +66,11 @@ REGULARIZERS = {
     "BP-CoMHE": lambda net: CoMHE(net, variant="bilateral", num_proj=1),
 }
 # Launching operations of one CNN-9 step (forward, backward, SGD) with each regulariser; the plain step
-# has about 100.  Measured on torch 2.13: HS-MHE 200, MHE 183, RP-CoMHE 245 (max 272), AP-CoMHE 566 (alt. 399),
-# Adv-CoMHE 359, G-CoMHE 231, BP-CoMHE 284, since every weight is packed by one gather, MHE's six fan-ins share two
-# blocks (energy.packing; before: 235, 218, 278, 290, 606, 437, 404, 264, 313) and CoMHE's penalty is one weighted
-# sum of its energies (but for the max; before: 260, 581, 414, 374, 246, 295); one per-layer op each was 28 / 141 /
+# has about 100.  Measured on torch 2.13: HS-MHE 197, MHE 180, RP-CoMHE 242 (max 271), AP-CoMHE 563 (alt. 396),
+# Adv-CoMHE 355, G-CoMHE 228, BP-CoMHE 281, since every weight is packed by one gather, MHE's six fan-ins share two
+# blocks (energy.packing; before: 235, 218, 278, 290, 606, 437, 404, 264, 313), CoMHE's penalty is one weighted
+# sum of its energies (but for the max; before: 260, 581, 414, 374, 246, 295) and a single bucket's energies are
+# summed as they come (SetEnergies.joined); one per-layer op each was 28 / 141 /
 # 69 / 1,950 host syncs and 1,138-66,361 operations before the batched engine.  The budgets (HS-MHE 400,
 # CoMHE 1,300) bound them; REGRESSION holds each to about 1.25 times its count (MHE to 1.15, below its count before
 # the shared blocks), so that losing a batching step shows.

@@ -150,16 +150,35 @@ class SetEnergies:
         Returns:
             list of Tensor[B] (float64), one per block.
         """
-        if len(points) != len(self.blocks):
-            raise ValueError(f"expected {len(self.blocks)} blocks of points, got {len(points)}")
+        return self._split(self._evaluate(points))
+
+    def joined(self, points: Sequence[Tensor]) -> Tensor:
+        """Every set's energy as one Tensor[sum of B] (float64), blocks in order: :meth:`__call__` concatenated, or, when
+        one bucket holds every block in order, that bucket's energies themselves (no split, no concatenation: an
+        operation fewer each way)."""
+        evaluated = self._evaluate(points)
+        if len(evaluated) == 1 and evaluated[0][0] == list(range(len(self.blocks))):
+            return evaluated[0][1]
+        return torch.cat(self._split(evaluated))
+
+    def _split(self, evaluated: list[tuple[list[int], Tensor]]) -> list[Tensor]:
+        """Each block's energies, in block order, from :meth:`_evaluate`'s buckets."""
         out: list[Tensor | None] = [None] * len(self.blocks)
-        groups, weights = self.prepare(points[0].device)
-        for (minus, plus), (rows, members) in zip(weights, groups):
-            grams = [_pad_square(_SymmetricGram.apply(points[i]), rows) for i in members]  # (B_i, N, N) each
-            energies = gram_energies(grams[0] if len(grams) == 1 else torch.cat(grams), minus, plus, self.s,
-                                     self.metric, self.eps)
+        for members, energies in evaluated:
             for i, part in zip(members, energies.split([len(self.blocks[i].sizes) for i in members])):
                 out[i] = part
+        return out
+
+    def _evaluate(self, points: Sequence[Tensor]) -> list[tuple[list[int], Tensor]]:
+        """(block indices, their sets' energies) of each bucket."""
+        if len(points) != len(self.blocks):
+            raise ValueError(f"expected {len(self.blocks)} blocks of points, got {len(points)}")
+        groups, weights = self.prepare(points[0].device)
+        out = []
+        for (minus, plus), (rows, members) in zip(weights, groups):
+            grams = [_pad_square(_SymmetricGram.apply(points[i]), rows) for i in members]  # (B_i, N, N) each
+            out.append((members, gram_energies(grams[0] if len(grams) == 1 else torch.cat(grams), minus, plus, self.s,
+                                               self.metric, self.eps)))
         return out
 
 
@@ -316,19 +335,20 @@ class LayerEnergies:
     def __call__(self, weights: Sequence[Tensor]) -> Tensor:
         """Tensor[L] (float64): the energy of each weight, in the order of ``shapes``."""
         plan = self._plan_for(weights)
-        energies = torch.cat(plan.engine(plan.packing(weights)))  # (L,) in packed order
+        energies = plan.engine.joined(plan.packing(weights))  # (L,) in packed order
         order = plan.order.get(energies.device)
         return energies.index_select(0, order) if order is not None else energies
 
     def total(self, weights: Sequence[Tensor]) -> Tensor:
         """sum_l c_l E_l with the ``coefficients`` given at construction, as a 0-dim float64 Tensor."""
         plan = self._plan_for(weights)
-        return self.weighted_total(plan.engine(plan.packing(weights)))
+        return self.weighted_total(plan.engine.joined(plan.packing(weights)))
 
-    def weighted_total(self, energies: Sequence[Tensor]) -> Tensor:
-        """:meth:`total` from the energies of :meth:`pack`'s blocks, evaluated elsewhere (a :class:`SetEnergies`
-        whose first blocks are :meth:`blocks`: one evaluation for these weights and other sets)."""
-        energies = torch.cat(list(energies))
+    def weighted_total(self, energies: Tensor | Sequence[Tensor]) -> Tensor:
+        """:meth:`total` from the energies of :meth:`pack`'s blocks (one Tensor[L] in packed order, or one per block),
+        evaluated elsewhere (a :class:`SetEnergies` whose first blocks are :meth:`blocks`: one evaluation for these
+        weights and other sets)."""
+        energies = energies if isinstance(energies, Tensor) else torch.cat(list(energies))
         return (energies * self.plan(energies.device).coefficients.get(energies.device)).sum()
 
 

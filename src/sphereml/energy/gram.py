@@ -230,8 +230,11 @@ class _GramEnergies(torch.autograd.Function):
     def forward(gram, minus, plus, s, metric, eps):
         if pairs_fused(gram, metric):
             return torch.ops.sphereml.gram_pair_energies(gram, minus, plus, s, eps)
+        chunks = _chunks(gram)
+        if len(chunks) == 1:  # a GPU's one chunk: no concatenation (a copy) of a single part
+            return _energy_chunk(gram, minus, plus, s, metric, eps)
         return torch.cat([_energy_chunk(gram[c], minus[c], None if plus is None else plus[c], s, metric, eps)
-                          for c in _chunks(gram)])
+                          for c in chunks])
 
     @staticmethod
     def backward(ctx, grad):

@@ -355,9 +355,10 @@ class CoMHE(MHE):
         points = [block for g, group in enumerate(self.groups) for block in self._blocks(g, group, packed[g], low[g])]
         joint, coefficients = self._joint(points[0].device)
         mhe = self._engine.pack(self._batched_weights()) if self._engine is not None else []
-        energies = joint([*mhe, *points])  # one evaluation of every set: MHE's blocks first
         if self.variant != "random_max":  # every energy enters linearly: one weighted sum
-            return self._single_penalty((torch.cat(energies) * coefficients.get(points[0].device)).sum())
+            energies = joint.joined([*mhe, *points])  # one evaluation of every set: MHE's blocks first
+            return self._single_penalty((energies * coefficients.get(energies.device)).sum())
+        energies = joint([*mhe, *points])
         total = self._single_penalty(self._engine.weighted_total(energies[:len(mhe)]) if mhe else None)
         per_layer = [sets.view(len(group.layers), -1).amax(1) for group, sets in zip(self.groups, energies[len(mhe):])]
         hidden = torch.cat(per_layer).sum() if len(per_layer) > 1 else per_layer[0].sum()
