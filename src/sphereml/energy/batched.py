@@ -153,9 +153,9 @@ class SetEnergies:
         return self._split(self._evaluate(points))
 
     def joined(self, points: Sequence[Tensor]) -> Tensor:
-        """Every set's energy as one Tensor[sum of B] (float64), blocks in order: :meth:`__call__` concatenated, or, when
-        one bucket holds every block in order, that bucket's energies themselves (no split, no concatenation: an
-        operation fewer each way)."""
+        """Every set's energy as one Tensor[sum of B] (float64), blocks in order: :meth:`__call__` concatenated, or,
+        when one bucket holds every block in order, that bucket's energies themselves (no split, no concatenation:
+        an operation fewer each way)."""
         evaluated = self._evaluate(points)
         if len(evaluated) == 1 and evaluated[0][0] == list(range(len(self.blocks))):
             return evaluated[0][1]
