@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import triton_interpreter_problem
 
 REPO = Path(__file__).resolve().parents[1]
@@ -38,6 +39,7 @@ def test_the_whole_suite_runs_in_smoke_mode(tmp_path):
         assert name in written, f"{name} wrote no JSON (have {sorted(written)})"
         result = written[name]
         assert result["device"] and result["torch"] and result["date"], name
+        assert result["cpu_capability"] == torch.backends.cpu.get_cpu_capability(), name
         ratios = [k for k in result if k.startswith("ratio_to_")]
         if ratios:
             baseline = ratios[0][len("ratio_to_"):]

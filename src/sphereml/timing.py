@@ -46,7 +46,8 @@ def device_name(device: torch.device | str) -> str:
 
 
 def environment(device: torch.device | str) -> dict:
-    """What a timing depends on: device, core count, torch / triton / CUDA versions, date."""
+    """What a timing depends on: device, core count, the CPU's vector kernels (``cpu_capability``: AVX2, AVX512;
+    the same code's CPU ratios move with it), torch / triton / CUDA versions, date."""
     try:
         import triton
 
@@ -54,8 +55,8 @@ def environment(device: torch.device | str) -> dict:
     except ImportError:
         triton_version = None
     return {"device": device_name(device), "cpu_count": os.cpu_count(), "threads": torch.get_num_threads(),
-            "torch": torch.__version__, "cuda": torch.version.cuda, "triton": triton_version,
-            "date": datetime.date.today().isoformat()}
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(), "torch": torch.__version__,
+            "cuda": torch.version.cuda, "triton": triton_version, "date": datetime.date.today().isoformat()}
 
 
 def synchronizer(device: torch.device | str) -> Callable[[], None]:
