@@ -215,3 +215,44 @@ def test_the_goals_report_reads_the_saved_results(tmp_path, monkeypatch):
         saved = [REPO / "benchmarks" / "results" / f"{g.stem}-{device}.json" for device in ("cpu", "cuda")]
         saved = [json.loads(path.read_text())["seconds"] for path in saved if path.is_file()]
         assert saved and all(g.candidate in seconds for seconds in saved), (g.stem, g.candidate)
+
+
+# The files behind each row of book/reproducing.md's CPU benchmark table; None: the row quotes some of the files only,
+# so only its date is checked.
+REPRODUCING_ROWS = {"train_step": ("train_step_convnet_", True), "margins": ("margin_heads_fwd_bwd", True),
+                    "sphereconv": ("sphereconv_fwd_bwd", True), "energy": ("energy_fwd_bwd", True),
+                    "decoupled": ("decoupled_fwd_bwd", True), "scs": ("scs_fwd_bwd", True),
+                    "convsim": ("convsim_fft_vs_direct", True), "comhe": ("comhe_train_step_cnn9", True),
+                    "opt": ("opt_train_step_cnn6", True), "orthogonalizers": ("orthogonalizers_fwd_bwd", True),
+                    "multiseed": ("multiseed_", False)}
+
+
+def _reproducing_rows() -> dict[str, list[str]]:
+    import re
+
+    text = (REPO / "book" / "reproducing.md").read_text()
+    table = text.split("| benchmark | what is compared | newest result on this CPU | goal |", 1)[1].split("\n\n", 1)[0]
+    rows = [[cell.strip() for cell in line.strip("|").split("|")] for line in table.strip().splitlines()[1:]]
+    return {re.fullmatch(r"`(\w+)`", row[0]).group(1): row for row in rows}
+
+
+def test_the_reproducing_page_quotes_the_newest_cpu_files():
+    """book/reproducing.md's CPU table is written by hand: each row names the date of its benchmark's newest file in
+    benchmarks/results, and quotes every ratio of a file it stands for (to 2, 1 or 0 decimals), so a rerun that
+    rewrites a file fails here until the page says what the new run measured."""
+    import re
+
+    rows = _reproducing_rows()
+    assert set(rows) == set(REPRODUCING_ROWS), "the table's rows and the benchmarks differ"
+    for name, (prefix, quotes_all) in REPRODUCING_ROWS.items():
+        files = [json.loads(p.read_text()) for p in (REPO / "benchmarks" / "results").glob(f"{prefix}*-cpu.json")]
+        assert files, f"no CPU file for {name}"
+        _, compared, result, _ = rows[name]
+        assert re.findall(r"\d{4}-\d{2}-\d{2}", compared)[-1] == max(f["date"][:10] for f in files), name
+        quoted = set(re.findall(r"(?<![\d.])(\d+(?:\.\d+)?)×", result))  # the ratios the row shows
+        for f in files if quotes_all else []:
+            ratio_key = next((k for k in f if k.startswith("ratio_to_") and isinstance(f[k], dict)), None)
+            for candidate, ratio in (f[ratio_key].items() if ratio_key else []):
+                if candidate != ratio_key[len("ratio_to_"):]:
+                    shown = {f"{ratio:.2f}", f"{ratio:.1f}", f"{ratio:.0f}"}
+                    assert shown & quoted, f"{name}: {candidate}'s {ratio:.2f}x is not on the page"
