@@ -130,6 +130,26 @@ def test_layers_shared_basis_and_small_fan_in():
     torch.testing.assert_close(reg.layer_energy(0), plain)
 
 
+def test_group_comhe_groups_a_feature_layer_by_the_channels_it_reads():
+    """Eq. 6.9's groups are 8 consecutive input channels (§6.6.1).  A linear layer after a conv layer reads that
+    layer's maps flattened channel by channel, so a group is its channels with all their positions (the authors'
+    CNN-9 computes that layer as a 4 x 4 convolution over 256 channels); another linear layer's inputs are its
+    channels."""
+    model = _net()
+    reg = CoMHE(model, variant="group", group_size=4)
+    feature = reg.hidden[3]
+    assert [tuple(reg.neuron_shape(m)) for m in reg.hidden] == [(1, 3, 3), (8, 3, 3), (8, 3, 3), (16, 4)]
+    assert reg.compressed(feature)  # 16 channels, 4 groups (by its 64 inputs it would have had 16)
+    by_channel = group_energy(feature.weight.view(32, 16, 4), 4)
+    torch.testing.assert_close(reg.layer_energy(3), by_channel)
+    assert not torch.allclose(by_channel, group_energy(feature.weight, 4))  # 16 groups of 4 inputs: another energy
+    cnn9 = models.Classifier(models.plain_cnn(9, widths=(16, 16, 32), feature_dim=24), 10)
+    assert tuple(CoMHE(cnn9, variant="group").neuron_shape(cnn9.backbone.feature)) == (32, 16)  # 32 maps of 4 x 4
+    torch.manual_seed(0)
+    mlp = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 48), nn.ReLU(), nn.Linear(48, 3))
+    assert [tuple(CoMHE(mlp, variant="group").neuron_shape(m)) for m in mlp[:4:2]] == [(32,), (64,)]
+
+
 def test_penalty_matches_its_definition():
     model = _net()
     reg = CoMHE(model, proj_dim=20, num_proj=3, beta_hidden=2.0, beta_output=0.5)
@@ -145,6 +165,8 @@ def _defined_energy(reg: CoMHE, index: int) -> torch.Tensor:
     """A compressed hidden layer's energy from the functional definitions, with the projections the penalty used."""
     w = reg.hidden[index].weight
     if reg.variant == "group":
+        if w.dim() == 2:  # _net's feature layer reads the last conv's 16 maps of 2 x 2, flattened: 16 channels
+            w = w.view(len(w), 16, 4)
         return group_energy(w, reg.options.group_size)
     p = reg.projections[reg.key(index)]
     if reg.variant == "bilateral":

@@ -111,8 +111,23 @@ class CoMHE(MHE):
         if len(w) > BATCHED_MAX:
             return False
         if self.variant == "group":
-            return w.shape[1] % self.options.group_size == 0 and w.shape[1] > self.options.group_size
+            channels = self.neuron_shape(layer)[0]
+            return channels % self.options.group_size == 0 and channels > self.options.group_size
         return w[0].numel() > self.options.proj_dim
+
+    def neuron_shape(self, layer: nn.Module) -> torch.Size:
+        """A hidden layer's neuron as (input channels, coordinates per channel), the axes G-CoMHE groups (eq. 6.9):
+        a conv's (C_in, k, k); a linear layer that follows a conv layer, which reads that layer's C maps flattened,
+        (C, d / C), a channel's positions kept together as a conv over the whole map keeps them (the authors'
+        CNN-9 computes that layer as a 4 x 4 convolution); any other linear layer (d,), its inputs the channels."""
+        w = layer.weight
+        if w.dim() > 2:
+            return w.shape[1:]
+        position = next(i for i, m in enumerate(self.hidden) if m is layer)
+        before = self.hidden[position - 1].weight if position > 0 else None
+        if before is not None and before.dim() > 2 and w.shape[1] % before.shape[0] == 0:
+            return torch.Size((before.shape[0], w.shape[1] // before.shape[0]))
+        return w.shape[1:]
 
     def key(self, index: int) -> tuple:
         """The projection a hidden layer uses: shared by fan-in, or its own."""
@@ -129,9 +144,9 @@ class CoMHE(MHE):
         for i, layer in enumerate(self.hidden):
             if self.compressed(layer):
                 w = layer.weight
-                by_shape.setdefault(w.shape[1:] if self.variant == "group" else w[0].numel(), []).append(i)
+                by_shape.setdefault(self.neuron_shape(layer) if self.variant == "group" else w[0].numel(), []).append(i)
         self.groups = [_Group(members, [self.hidden[i].weight.shape[0] for i in members],
-                              self.hidden[members[0]].weight[0].numel(), self.hidden[members[0]].weight.shape[1:])
+                              self.hidden[members[0]].weight[0].numel(), self.neuron_shape(self.hidden[members[0]]))
                        for members in by_shape.values()]
         blocks, coefficients = [], []
         for group in self.groups:
@@ -375,7 +390,8 @@ class CoMHE(MHE):
         if not self.compressed(layer):
             return hyperspherical_energy(w, self.s, half_space=self.half_space, backend=self.backend)
         if self.variant == "group":
-            return group_energy(w, self.options.group_size, self.s, self.half_space, self.backend)
+            return group_energy(w.reshape(len(w), *self.neuron_shape(layer)), self.options.group_size, self.s,
+                                self.half_space, self.backend)
         p = self.projections[self.key(index)]
         if self.variant == "bilateral":
             return bilateral_energy(w, p[0], self.projections[("combine", index)], self.s, self.half_space,

@@ -279,7 +279,8 @@ def group_energy(w: Tensor, group_size: int, s: float = 2.0, half_space: bool = 
 
     P_c keeps the coordinates of ``group_size`` consecutive input channels (a 0/1 diagonal matrix; the groups
     partition the channels).  For a conv weight Tensor[N, C_in, k, k] a channel is C_in's axis; for a linear
-    weight Tensor[N, d], one input coordinate.
+    weight Tensor[N, d], one input coordinate (:class:`~sphereml.regularizers.comhe.CoMHE` passes a linear layer
+    that reads a conv layer's C maps as Tensor[N, C, d / C]: ``CoMHE.neuron_shape``).
 
     Args:
         w (Tensor[N, C_in, ...]): neurons.
