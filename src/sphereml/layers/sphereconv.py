@@ -192,7 +192,8 @@ class SphereConv2d(_SphereMixin, nn.Conv2d):
             parametrisation (learnable SphereConv, §3.2.5; needs ``angular="sigmoid"``). Default: False.
         eps (float): patch-norm floor, see Note [zero patch] in :mod:`sphereml.layers.patches`. Default: 1e-6.
 
-    The weight norm does not affect the output, so weight decay has no effect on it (§3.1);
+    The weight norm does not affect the output, so weight decay does not change what the layer computes, only the
+    effective step size of its weights (§3.1);
     the layer is still an ``nn.Conv2d`` and the regularisers (orthonormality, MHE) find it.
     """
 
