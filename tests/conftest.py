@@ -1,5 +1,6 @@
 import os
 import random
+import zlib
 
 import numpy as np
 import pytest
@@ -9,9 +10,15 @@ os.environ.setdefault("SPHEREML_NO_DOWNLOAD", "1")  # nothing downloads during t
 
 
 @pytest.fixture(autouse=True)
-def restore_rng():
-    """Tests may seed freely; the global generators are restored afterwards."""
+def restore_rng(request):
+    """Every test starts from global generators seeded by its own node id, so an unseeded draw is the same in every
+    run whatever ran before it (module fixtures, other files, a subset); tests may seed freely, and the generators
+    are restored afterwards."""
     torch_state, py_state, np_state = torch.get_rng_state(), random.getstate(), np.random.get_state()
+    seed = zlib.crc32(request.node.nodeid.encode())
+    torch.manual_seed(seed)
+    random.seed(seed)
+    np.random.seed(seed)
     yield
     torch.set_rng_state(torch_state)
     random.setstate(py_state)
