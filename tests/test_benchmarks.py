@@ -255,3 +255,19 @@ def test_the_reproducing_page_quotes_the_newest_cpu_files():
                 if candidate != ratio_key[len("ratio_to_"):]:
                     shown = {f"{ratio:.2f}", f"{ratio:.1f}", f"{ratio:.0f}"}
                     assert shown & quoted, f"{name}: {candidate}'s {ratio:.2f}x is not on the page"
+
+
+def test_repeated_ratios_rotates_who_goes_first_and_pairs_every_run():
+    from sphereml.timing import repeated_ratios
+
+    calls = []
+    candidates = {name: (lambda name=name: calls.append(name)) for name in ("a", "b", "c")}
+    ratios, first = repeated_ratios(candidates, "a", times=4, rounds=2, warmup=0)
+    assert {name: len(r) for name, r in ratios.items()} == {"a": 4, "b": 4, "c": 4}
+    assert ratios["a"] == [1.0] * 4 and set(first.seconds) == {"a", "b", "c"}
+    runs = [calls[6 * i:6 * i + 3] for i in range(4)]  # each run's first round: 3 calls of its 6
+    assert runs == [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"], ["a", "b", "c"]]
+    with pytest.raises(ValueError, match="times"):
+        repeated_ratios(candidates, "a", times=0)
+    with pytest.raises(ValueError, match="baseline"):
+        repeated_ratios(candidates, "z", times=1)

@@ -6,8 +6,9 @@ import torch
 from torch import nn
 
 from sphereml import models
-from sphereml.initialisation import he_init_
+from sphereml.initialisation import he_init_, scs_upstream_init_
 from sphereml.layers.decoupled import DecoupledConv2d
+from sphereml.layers.scs import SharpenedCosineSimilarity2d
 from sphereml.models import Classifier
 from sphereml.regularizers.opt import orthogonal_overparameterize
 
@@ -81,3 +82,26 @@ def test_bad_arguments():
         he_init_(torch.zeros(3, 3))
     with pytest.raises(ValueError, match="negative_slope"):
         he_init_(nn.Linear(3, 3), negative_slope=-0.1)
+
+
+def test_scs_upstream_start_draws_kernels_and_p_as_rohrers_layer_and_leaves_the_rest():
+    torch.manual_seed(0)
+    net = nn.Sequential(SharpenedCosineSimilarity2d(64, 128, 3, learnable=True, q=0.1), nn.Conv2d(128, 8, 3),
+                        SharpenedCosineSimilarity2d(8, 8, 3, p=2.0))
+    conv = net[1].weight.detach().clone()
+    assert scs_upstream_init_(net) is net
+    with torch.no_grad():
+        w, p = net[0].weight, net[0].p
+        assert -1 <= float(w.min()) and float(w.max()) <= 1
+        assert float(w.var()) == pytest.approx(1 / 3, rel=0.02)  # 74k draws of U(-1, 1)
+        assert float(w.flatten(1).norm(dim=1).pow(2).mean()) == pytest.approx(w[0].numel() / 3, rel=0.02)
+        assert 1 <= float(p.min()) and float(p.max()) <= 3 and float(p.std()) > 0.4  # U(1, 3): s.d. 0.58
+        assert float(net[0].q) == pytest.approx(0.1)
+        assert torch.equal(net[1].weight, conv) and net[2].p == 2.0  # a convolution, a fixed p: untouched
+        assert -1 <= float(net[2].weight.min()) and float(net[2].weight.max()) <= 1
+    torch.manual_seed(0)
+    again = nn.Sequential(SharpenedCosineSimilarity2d(64, 128, 3, learnable=True, q=0.1), nn.Conv2d(128, 8, 3),
+                          SharpenedCosineSimilarity2d(8, 8, 3, p=2.0))
+    assert torch.equal(scs_upstream_init_(again)[0].weight, net[0].weight)
+    with pytest.raises(TypeError, match="nn.Module"):
+        scs_upstream_init_(torch.zeros(3))

@@ -161,6 +161,10 @@ def test_a_seed_table_states_its_rule_once():
         table.add("MHE", seed, energy=1.0), table.add("baseline", seed, energy=2.0)
     assert table.compare("MHE", "baseline", "energy").noise == 0.005  # no binomial term outside the table's key
     assert table.trains("MHE", "baseline") is True and table.trains("MHE", "stuck") is False
+    table.add("one seed stuck", 0, accuracy=0.80), table.add("one seed stuck", 1, accuracy=0.10)
+    assert table.trains("one seed stuck") is True  # its mean, 0.45, clears chance
+    assert table.trains("one seed stuck", every_seed=True) is False  # its second seed does not
+    assert table.trains("MHE", "baseline", every_seed=True) is True
     assert table.beats("MHE", "baseline") is True and table.beats("baseline", "MHE") is False
     assert table.beats("MHE", "stuck") == NOT_TESTABLE  # an arm at chance: the comparison says nothing
     assert table.error("baseline") == 29.5

@@ -2,7 +2,8 @@
 
 Shared machines are noisy, so a speed is only reported as a ratio to a baseline timed in the
 same process, interleaved with it: :func:`compare` runs one call of every candidate per round
-(round-robin) and keeps each one's median, so a slow spell hits all candidates alike.  CUDA
+(round-robin) and keeps each one's median, so a slow spell hits all candidates alike; :func:`repeated_ratios`
+repeats that with the order rotated, the repeats a timing verdict pairs.  CUDA
 work is synchronised before every clock reading.  Timings are reported, never asserted.
 
 Note [peak memory of one call]
@@ -33,8 +34,8 @@ import torch
 from . import _io
 from ._checks import integer
 
-__all__ = ["device_name", "environment", "synchronizer", "median_seconds", "Comparison", "compare", "PeakMemory",
-           "peak_memory", "forward_backward", "training_step", "save_result", "describe_saved"]
+__all__ = ["device_name", "environment", "synchronizer", "median_seconds", "Comparison", "compare", "repeated_ratios",
+           "PeakMemory", "peak_memory", "forward_backward", "training_step", "save_result", "describe_saved"]
 
 
 def device_name(device: torch.device | str) -> str:
@@ -122,6 +123,26 @@ def compare(candidates: dict[str, Callable[[], object]], baseline: str, device: 
             samples[label].append(time.perf_counter() - start)
     seconds = {label: statistics.median(t) for label, t in samples.items()}
     return Comparison(baseline, seconds, samples)
+
+
+def repeated_ratios(candidates: dict[str, Callable[[], object]], baseline: str, device: torch.device | str = "cpu",
+                    times: int = 5, rounds: int = 10, warmup: int = 1) -> tuple[dict[str, list[float]], Comparison]:
+    """``times`` independent :func:`compare` runs, the order of the round rotated by one candidate from run to run,
+    and each candidate's ratio to ``baseline`` in every run: the repeats that a timing verdict pairs as its seeds
+    (a busy spell of the machine slows one run, and within it every candidate alike).
+
+    Returns ``(label -> ratios, one per run; the first run's Comparison)``, the latter for a printed table.
+    """
+    integer("times", times, at_least=1)
+    labels = list(candidates)
+    ratios: dict[str, list[float]] = {label: [] for label in labels}
+    runs = []
+    for run in range(times):
+        order = labels[run % len(labels):] + labels[:run % len(labels)]
+        runs.append(compare({label: candidates[label] for label in order}, baseline, device, rounds, warmup))
+        for label in labels:
+            ratios[label].append(runs[-1].ratios[label])
+    return ratios, runs[0]
 
 
 class PeakMemory:

@@ -65,8 +65,7 @@ VERDICTS = {True: "holds", False: "does not hold", None: "not distinguishable", 
 
 
 def verdict_name(verdict) -> str:
-    """The word for a verdict: ``True`` -> "holds", ``False`` -> "does not hold", ``None`` -> "not
-    distinguishable", :data:`NOT_TESTABLE` -> "not testable"."""
+    """The word for a verdict (:data:`VERDICTS`): "holds", "does not hold", "not distinguishable", "not testable"."""
     if isinstance(verdict, bool) or verdict is None or verdict == NOT_TESTABLE:
         return VERDICTS[verdict]
     raise ValueError(f"a verdict must be True, False, None or {NOT_TESTABLE!r}, got {verdict!r}")
@@ -285,12 +284,13 @@ class SeedTable:
             raise ValueError(f"{a!r} and {b!r} share no seed")
         return floor, seeds
 
-    def trains(self, *variants: str) -> bool:
-        """Whether every variant named learned anything (:func:`trains` on the table's key, chance and
-        evaluation size)."""
+    def trains(self, *variants: str, every_seed: bool = False) -> bool:
+        """Whether every variant named learned anything (:func:`trains` on the table's key, chance and evaluation
+        size): its mean over the seeds, or with ``every_seed`` each seed's value on its own."""
         if self.chance is None or self.n_eval is None:
             raise ValueError("trains needs the SeedTable's chance and n_eval")
-        return all(trains(self.values(v), chance=self.chance, n_eval=self.n_eval) for v in variants)
+        runs = [[value] for v in variants for value in self.values(v)] if every_seed else map(self.values, variants)
+        return all(trains(values, chance=self.chance, n_eval=self.n_eval) for values in runs)
 
     def beats(self, a: str, b: str) -> bool | None | str:
         """The verdict of "``a`` is larger than ``b``" on the table's key, :data:`NOT_TESTABLE` when either
