@@ -280,7 +280,8 @@ def _unrolled_case(shared, num_proj, dtype=torch.float64):
 @pytest.mark.parametrize("scale_free", [True, False])
 def test_unrolled_projection_backward_is_autograds(shared, num_proj, scale_free):
     """The written-out backward of the unrolled step against autograd's through the same forward, with padding
-    rows and a zero neuron (whose projection sits below the norm floor), and by gradcheck in float64."""
+    rows and a zero neuron (whose projection sits below the norm floor), and by gradcheck in float64 (the
+    scale-free step: its size eta_l a constant, eq. 6.7, so its gradient is the plain step's scaled by eta_l)."""
     x, p, share = _unrolled_case(shared, num_proj)
     weight = torch.randn(3, num_proj, 4, 10, generator=_g(5), dtype=torch.float64)
     grads = []
@@ -291,7 +292,13 @@ def test_unrolled_projection_backward_is_autograds(shared, num_proj, scale_free)
     torch.testing.assert_close(grads[0], grads[1], rtol=1e-12, atol=1e-12)
     assert grads[0][1][1, 5:].abs().max() == 0  # pad rows get nothing
     w = x.clone().requires_grad_(True)
-    assert torch.autograd.gradcheck(lambda t: comhe.unrolled_projection(t, p, share, 0.3, scale_free), (w,))
+    assert torch.autograd.gradcheck(lambda t: comhe.unrolled_projection(t, p, share, 0.3, False), (w,))
+    if scale_free:
+        g = comhe.angle_distortion_grad(x, p, share)
+        eta = 0.3 * p.flatten(-3).norm(dim=-1) / g.flatten(1).norm(dim=1)  # one eta per layer
+        plain = comhe.unrolled_projection(w, p, share, 1.0, False)
+        (want,) = torch.autograd.grad((plain * weight * eta.view(-1, 1, 1, 1)).sum(), w)
+        torch.testing.assert_close(grads[0][1], want, rtol=1e-12, atol=1e-12)
 
 
 def test_unrolled_projection_is_the_step_on_the_distortions_gradient():
@@ -326,7 +333,8 @@ def test_unrolled_projection_batches_over_seeds_and_costs_fewer_operations():
 
 def test_unrolled_projection_differentiates_p_by_autograd_when_p_requires_grad():
     """With P a variable, d/dP of the stepped projections is that of P - lr ||P|| / ||G|| G with G = grad_P L_P by
-    autograd (create_graph) and ||P|| a constant, as the scale-free step takes it; the plain step passes gradcheck."""
+    autograd (create_graph) and its size lr ||P|| / ||G|| a constant, as the scale-free step takes it (eq. 6.7's
+    eta); the plain step passes gradcheck."""
     x, p, share = _unrolled_case(shared=True, num_proj=1)
     x[2, 3] = torch.randn(x.shape[-1], generator=_g(9), dtype=x.dtype)  # autograd's second derivative at 0 is nan
     weight = torch.randn(3, *p.shape, generator=_g(6), dtype=torch.float64)
@@ -335,7 +343,7 @@ def test_unrolled_projection_differentiates_p_by_autograd_when_p_requires_grad()
         out = []
         for layer, n in enumerate((7, 5, 7)):
             (grad,) = torch.autograd.grad(angle_distortion(x[layer, :n], q), q, create_graph=True)
-            out.append(q - 0.3 * q.detach().norm() / grad.norm() * grad)
+            out.append(q - 0.3 * q.detach().norm() / grad.detach().norm() * grad)
         return torch.stack(out)
 
     q = p.clone().requires_grad_(True)

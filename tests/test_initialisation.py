@@ -84,10 +84,14 @@ def test_bad_arguments():
         he_init_(nn.Linear(3, 3), negative_slope=-0.1)
 
 
-def test_scs_upstream_start_draws_kernels_and_p_as_rohrers_layer_and_leaves_the_rest():
+def _scs_net():
     torch.manual_seed(0)
-    net = nn.Sequential(SharpenedCosineSimilarity2d(64, 128, 3, learnable=True, q=0.1), nn.Conv2d(128, 8, 3),
-                        SharpenedCosineSimilarity2d(8, 8, 3, p=2.0))
+    return nn.Sequential(SharpenedCosineSimilarity2d(64, 128, 3, learnable=True, q=0.1), nn.Conv2d(128, 8, 3),
+                         SharpenedCosineSimilarity2d(8, 8, 3, p=2.0))
+
+
+def test_scs_upstream_start_draws_kernels_and_p_as_rohrers_layer_and_leaves_the_rest():
+    net = _scs_net()
     conv = net[1].weight.detach().clone()
     assert scs_upstream_init_(net) is net
     with torch.no_grad():
@@ -99,9 +103,6 @@ def test_scs_upstream_start_draws_kernels_and_p_as_rohrers_layer_and_leaves_the_
         assert float(net[0].q) == pytest.approx(0.1)
         assert torch.equal(net[1].weight, conv) and net[2].p == 2.0  # a convolution, a fixed p: untouched
         assert -1 <= float(net[2].weight.min()) and float(net[2].weight.max()) <= 1
-    torch.manual_seed(0)
-    again = nn.Sequential(SharpenedCosineSimilarity2d(64, 128, 3, learnable=True, q=0.1), nn.Conv2d(128, 8, 3),
-                          SharpenedCosineSimilarity2d(8, 8, 3, p=2.0))
-    assert torch.equal(scs_upstream_init_(again)[0].weight, net[0].weight)
+    assert torch.equal(scs_upstream_init_(_scs_net())[0].weight, net[0].weight)
     with pytest.raises(TypeError, match="nn.Module"):
         scs_upstream_init_(torch.zeros(3))

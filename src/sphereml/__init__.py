@@ -35,6 +35,7 @@ module:
   together) and :mod:`~sphereml.regularizers.opt` (orthogonal over-parameterised layers, refinement, OGD).
 * :mod:`~sphereml.models` — the book's networks, built from operator factories; ``Classifier``.
 * :mod:`~sphereml.initialisation` — He initialisation, the thesis's starting point (``he_init_``).
+* :mod:`~sphereml.constraints` — neurons held at their starting lengths between steps (``HoldNorms``).
 * :mod:`~sphereml.data` — Fashion-MNIST, digits, CIFAR-10/100, synthetic sphere data.
 * :mod:`~sphereml.train` — ``fit`` / ``evaluate``: seeding, devices, history, checkpoints, callbacks.
 * :mod:`~sphereml.multiseed` — ``fit_seeds``: several seeds of one network trained in one batched step.
@@ -52,8 +53,8 @@ module:
 
 import importlib
 
-from . import (angular, attacks, data, distributed, energy, geometry, heads, initialisation, launches, layers,
-               metrics, models, recalibration, regularizers, timing, train)
+from . import (angular, attacks, constraints, data, distributed, energy, geometry, heads, initialisation, launches,
+               layers, metrics, models, recalibration, regularizers, timing, train)
 from .geometry import angle_matrix, cosine_matrix, normalize, safe_angle, sample_sphere
 from .train import evaluate, fit, resolve_device, seed_everything
 
@@ -62,8 +63,8 @@ __version__ = "0.1.0"
 BOOK_MODULES = ("book",)  # loaded on first use
 
 __all__ = [
-    "angular", "attacks", "data", "distributed", "energy", "geometry", "heads", "initialisation", "launches",
-    "layers", "metrics", "models", "recalibration", "regularizers", "timing", "train",
+    "angular", "attacks", "constraints", "data", "distributed", "energy", "geometry", "heads", "initialisation",
+    "launches", "layers", "metrics", "models", "recalibration", "regularizers", "timing", "train",
     "normalize", "cosine_matrix", "safe_angle", "angle_matrix", "sample_sphere",
     "fit", "evaluate", "resolve_device", "seed_everything", "__version__",
 ]

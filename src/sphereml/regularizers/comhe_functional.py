@@ -8,14 +8,14 @@ Note [projection scale]
     the thesis writes 1/n.  Chapter 7 checks both.
 
 Note [the unrolled step's backward]
-    The unrolled AP-CoMHE step P' = P - eta G(W) (eta = lr ||P|| / ||G|| for the scale-free step) is a function
-    of the neurons through G = grad_P L_P (:func:`angle_distortion_grad`).  For one group of CNN-9's layers the step
-    takes ~43 operations forward and autograd ~80 backward; :func:`unrolled_projection` writes the backward out
-    (~45 operations), from the forward's terms
+    The unrolled AP-CoMHE step P' = P - eta G(W) is a function of the neurons through G = grad_P L_P
+    (:func:`angle_distortion_grad`), with eta a constant as in eq. 6.7 (the scale-free step sets
+    eta = lr ||P|| / ||G|| afresh at each step from the values, and W's gradient does not pass through it).
+    For one group of CNN-9's layers the step takes ~43 operations forward and autograd ~80 backward;
+    :func:`unrolled_projection` writes the backward out (~45 operations), from the forward's terms
     (u, v the unit neurons and projections, r = 1/||P w||, S = share + share^T,
     M = 2 S (v v^T - u u^T) with grad_v = M v,
-    rho = v . grad_v, grad_z = r (grad_v - rho v), G = grad_z^T W).  Given dL/dG (for the scale-free step,
-    dL/dG = eta ((<dL/dP', G> / ||G||^2) G - dL/dP')):
+    rho = v . grad_v, grad_z = r (grad_v - rho v), G = grad_z^T W).  Given dL/dG = -eta dL/dP':
 
     * dL/dgrad_z = W dL/dG^T, and W's first term dL/dG's product with grad_z;
     * dL/dgrad_v = r dL/dgrad_z - a v with a = v . (r dL/dgrad_z), and v's terms -rho r dL/dgrad_z - a grad_v;
@@ -26,7 +26,8 @@ Note [the unrolled step's backward]
       gradient), and dL/dW gets the projection's sum over projections of dL/d(P w) P.
 
     This cut AP-CoMHE's CNN-9 step (four groups) from 816 operations to 670 (tests: autograd's gradient through
-    the same forward to 1e-12 in float64, gradcheck with pad rows and a zero neuron, vmap over seeds).
+    the same forward to 1e-12 in float64, gradcheck with pad rows and a zero neuron, vmap over seeds).  Until
+    2026-12-06 the scale-free eta was differentiated through ||G|| as well, a term eq. 6.7 does not have.
 """
 
 from __future__ import annotations
@@ -135,29 +136,30 @@ def angle_distortion_grad(x: Tensor, p: Tensor, share: Tensor) -> Tensor:
 
 def projection_step(p: Tensor, grad: Tensor, rate: float, scale_free: bool = True) -> Tensor:
     """Each P_l (Tensor[L, ...]) moved along ``grad_l``: by ``rate * ||P_l|| / ||grad_l||`` (a scale-free step: P's
-    scale is arbitrary, Note [projection scale]), or by ``rate`` (``scale_free=False``, the authors' plain step)."""
+    scale is arbitrary, Note [projection scale]; the size is a constant to autograd, eq. 6.7's eta), or by ``rate``
+    (``scale_free=False``, the authors' plain step)."""
     if not scale_free:
         return torch.add(p, grad, alpha=rate)
-    return torch.addcmul(p, _step_size(p, grad, rate)[0], grad)
+    return torch.addcmul(p, _step_size(p, grad, rate), grad)
 
 
 _STEP_FLOOR = 1e-30  # the scale-free step: the least gradient norm it divides by
 
 
-def _step_size(p: Tensor, grad: Tensor, rate: float) -> tuple[Tensor, Tensor]:
-    """(rate ||P_l|| / max(||grad_l||, floor), that floored norm) for each l of grad (Tensor[L, ...]); P is
-    Tensor[L, ...] or one Tensor[...] for all l, its norm a constant (Note [projection scale])."""
-    norm = torch.linalg.vector_norm(grad, dim=tuple(range(1, grad.dim())), keepdim=True).clamp_min(_STEP_FLOOR)
+def _step_size(p: Tensor, grad: Tensor, rate: float) -> Tensor:
+    """rate ||P_l|| / max(||grad_l||, floor) for each l of grad (Tensor[L, ...]), a constant to autograd (eq. 6.7's
+    eta, set from the values); P is Tensor[L, ...] or one Tensor[...] for all l (Note [projection scale])."""
+    norm = torch.linalg.vector_norm(grad.detach(), dim=tuple(range(1, grad.dim())), keepdim=True)
     p_dims = tuple(range(p.dim() - grad.dim() + 1, p.dim()))
-    return torch.linalg.vector_norm(p.detach(), dim=p_dims, keepdim=True) * rate / norm, norm
+    return torch.linalg.vector_norm(p.detach(), dim=p_dims, keepdim=True) * rate / norm.clamp_min(_STEP_FLOOR)
 
 
 def unrolled_projection(x: Tensor, p: Tensor, share: Tensor, lr: float, scale_free: bool = True) -> Tensor:
     """P_l - lr (||P_l|| / ||G_l||) G_l for each layer l, with G = :func:`angle_distortion_grad` (x, p, share):
-    one step of the projections against the angle distortion, as a function of the neurons (the unrolled
-    AP-CoMHE, eq. 6.7; ``scale_free=False``: P_l - lr G_l).  Differentiated in x by a backward written out
-    (Note [the unrolled step's backward]) when P and the weights are constants, else (and in forward mode:
-    ``torch.func.jvp``, ``forward_ad``) by autograd; the two give the same numbers
+    one step of the projections against the angle distortion, as a function of the neurons through G, the step
+    size a constant (the unrolled AP-CoMHE, eq. 6.7; ``scale_free=False``: P_l - lr G_l).  Differentiated in x
+    by a backward written out (Note [the unrolled step's backward]) when P and the weights are constants, else
+    (and in forward mode: ``torch.func.jvp``, ``forward_ad``) by autograd; the two give the same numbers
     (:func:`unrolled_projection_reference`).
 
     Returns:
@@ -226,14 +228,12 @@ class _UnrolledProjection(torch.autograd.Function):
     @staticmethod
     def forward(x: Tensor, p: Tensor, share: Tensor, lr: float, scale_free: bool) -> tuple[Tensor, ...]:
         grad, terms = _distortion_terms(x, p, share)
-        if not scale_free:
-            return projection_step(p, grad, -lr, scale_free), grad, *terms
-        size, norm = _step_size(p, grad, -lr)
-        return torch.addcmul(p, size, grad), grad, size, norm, *terms
+        size = _step_size(p, grad, -lr) if scale_free else torch.full((), -lr, dtype=x.dtype, device=x.device)
+        return torch.addcmul(p, size, grad), grad, size, *terms
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        x, p, _, ctx.lr, ctx.scale_free = inputs
+        x, p, *_ = inputs
         ctx.mark_non_differentiable(*output[1:])
         ctx.set_materialize_grads(False)  # no zeros for the outputs that carry no gradient
         ctx.save_for_backward(x, p, *output[1:])
@@ -243,14 +243,8 @@ class _UnrolledProjection(torch.autograd.Function):
     def backward(ctx, grad_out: Tensor | None, *unused) -> tuple[Tensor | None, None, None, None, None]:
         if grad_out is None:  # the stepped projections unused
             return None, None, None, None, None
-        x, p, grad, *rest = ctx.saved_tensors
-        if ctx.scale_free:  # out = p + size(grad) grad, size = -lr ||p|| / max(||grad||, floor)
-            size, norm, *rest = rest
-            along = (grad_out * grad).sum((1, 2, 3), keepdim=True) / norm / norm * (norm > _STEP_FLOOR)
-            grad_grad = size * torch.addcmul(grad_out, along, grad, value=-1.0)
-        else:
-            grad_grad = grad_out * -ctx.lr
-        return _distortion_backward(x, p, grad_grad, *rest), None, None, None, None
+        x, p, _, size, *rest = ctx.saved_tensors  # out = p + size grad, size a constant
+        return _distortion_backward(x, p, size * grad_out, *rest), None, None, None, None
 
 
 def _distortion_backward(x: Tensor, p: Tensor, grad_grad: Tensor, u, inverse_x, live_x, v, inverse, live, share4,

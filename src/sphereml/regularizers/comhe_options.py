@@ -32,8 +32,9 @@ class CoMHEOptions:
             projections are kept (the authors' AP code never re-initialises). Default: ``"auto"``.
         group_size (int): channels per group for ``"group"`` (the thesis: 8).
         ap_lr (float): the size of a step on P: with ``ap_step="relative"``, ``"angle"`` moves P by
-            ap_lr * ||P|| against grad L_P (alternating and unrolled) and ``"adversarial"`` by as much along the
-            projected energy's gradient (P's scale does not matter to g, so the step is scale-free); with
+            ap_lr * ||P|| against grad L_P (alternating and unrolled; unrolled, the step's size is a constant to
+            autograd, eq. 6.7's eta) and ``"adversarial"`` by as much along the projected energy's gradient (P's
+            scale does not matter to g, so the step is scale-free); with
             ``"plain"``, P - ap_lr * grad (the authors' code, which uses the network's learning rate).
             Default: 0.1.
         ap_step (str): ``"relative"`` or ``"plain"``, see ``ap_lr``. Default: ``"relative"``.
