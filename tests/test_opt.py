@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from sphereml import models
-from sphereml.regularizers import opt
+from sphereml.regularizers import opt, rotations
 from sphereml.regularizers import orthogonalizers as orth
 from sphereml.energy import hyperspherical_energy, layer_energy
 from sphereml.train import fit
@@ -160,6 +160,32 @@ def test_unit_raw_std_starts_each_raw_block_with_rows_near_unit_norm(blocks):
     assert unit.shape[-1] == m and abs(float(unit.norm(dim=-1).mean()) - 1.0) < 0.05
     with pytest.raises(ValueError, match="raw_std"):
         make("units")
+
+
+@pytest.mark.parametrize("method", ["gs", "householder"])
+def test_orthogonal_start_keeps_the_rotation_and_conditions_the_raw_matrix(method):
+    """Started orthogonal, the raw matrix maps to the rotation its Gaussian draw maps to, its rows all of the draw's
+    RMS norm; the map's derivative there is bounded by sqrt(2) / r (from the Gaussian draw it is far larger: Note
+    [the raw matrix's conditioning]); a method without a scale-free map refuses."""
+    def start(orthogonal):
+        return opt.orthogonal_overparameterize(_layer(), method, generator=torch.Generator().manual_seed(4),
+                                               raw_std="unit", orthogonal_start=orthogonal)
+    gaussian, conditioned = start(False), start(True)
+    torch.testing.assert_close(conditioned.weight, gaussian.weight)  # the same rotation of V
+    raw, raw_gaussian = opt.rotation_module(conditioned).raw, opt.rotation_module(gaussian).raw
+    r = float(raw_gaussian.detach().norm(dim=-1).pow(2).mean().sqrt())
+    torch.testing.assert_close(raw.norm(dim=-1), torch.full(raw.shape[:-1], r, dtype=raw.dtype))
+    g = torch.Generator().manual_seed(5)
+    directions = [torch.randn(raw.shape, generator=g, dtype=raw.dtype) for _ in range(8)]
+    stretch = {}
+    for name, at in (("orthogonal", raw), ("gaussian", raw_gaussian)):
+        stretch[name] = max(float(torch.func.jvp(lambda u: rotations.orthogonal_blocks(u, method), (at.detach(),),
+                                                 (e,))[1].norm() / e.norm()) for e in directions)
+    assert stretch["orthogonal"] <= 2 ** 0.5 / r * (1 + 1e-6)
+    assert stretch["gaussian"] > 2 * stretch["orthogonal"]
+    for other in ("lowdin", "cayley"):  # the SVD's gradient undefined at equal singular values; no scale-free map
+        with pytest.raises(ValueError, match="orthogonal_start"):
+            opt.orthogonal_overparameterize(_layer(), other, orthogonal_start=True)
 
 
 def test_rotation_rates_scale_as_one_over_the_square_of_the_raw_scale_and_sum_over_shared_copies():

@@ -61,13 +61,14 @@ SUPPORTED = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
 def orthogonal_overparameterize(module: nn.Module, method: str = "gs", *, blocks: int = 1, shared: bool = False,
                                 subset: int | None = None, normalize: bool = False, refine: str | None = None,
                                 refine_steps: int = 5000, unrolled: bool = False,
-                                generator: torch.Generator | None = None, raw_std: float | str = 1.0) -> nn.Module:
+                                generator: torch.Generator | None = None, raw_std: float | str = 1.0,
+                                orthogonal_start: bool = False) -> nn.Module:
     """Make ``module.weight`` the fixed neurons V (its current value) rotated by a learnt orthogonal R.
 
     Args:
         module (nn.Linear or nn.Conv1d/2d/3d): changed in place and returned; its bias stays a plain
             parameter.  Initialise its weight first (the thesis: Kaiming or Xavier normal).
-        method, blocks, shared, subset, unrolled, generator, raw_std: see
+        method, blocks, shared, subset, unrolled, generator, raw_std, orthogonal_start: see
             :class:`~sphereml.regularizers.rotations.OrthogonalRotation`.
         normalize (bool): scale every neuron of V to unit norm first (§7.3.7, Table 7.7). Default: False.
         refine (str, optional): ``"mhe"`` or ``"hs_mhe"``: minimise V's (half-space) energy first
@@ -85,7 +86,7 @@ def orthogonal_overparameterize(module: nn.Module, method: str = "gs", *, blocks
     one_of("refine", refine, REFINEMENTS)
     v = module.weight.detach().clone()
     rotation = OrthogonalRotation(v[0].numel(), method, blocks, shared, subset, unrolled, generator, raw_std,
-                                  dtype=v.dtype, device=v.device)
+                                  dtype=v.dtype, device=v.device, orthogonal_start=orthogonal_start)
     if normalize:
         v = unit_rows(v.flatten(1)).reshape(v.shape)
     if refine is not None:

@@ -88,18 +88,32 @@ class OrthogonalRotation(nn.Module):
         generator (torch.Generator, optional): draws the initial raw matrix and the subset.
         raw_std (float or "unit"): standard deviation of the initial raw entries; ``"unit"``: 1 / sqrt(m)
             for blocks of m = d / k rows, so that each raw row starts near unit norm. Default: 1 (the thesis).
+        orthogonal_start (bool): ``gs``, ``mgs``, ``householder``: start the raw matrix at the
+            rotation its Gaussian draw maps to, its rows all of the draw's root-mean-square row norm (about
+            raw_std sqrt(m); Note [the raw matrix's conditioning]). Default: False (the thesis's Gaussian raw matrix).
 
     The raw matrix starts as the thesis's N(0, 1) draw (App. F.3); ``ogd`` at the identity (the
     authors' code); ``or`` and ``upt`` at a random orthogonal matrix, so every method starts from a
     rotation of V; S-OPT at the identity.  ``gs``, ``mgs``, ``householder`` and ``lowdin`` give the
     same R for c U as for U (c > 0), so the gradient with respect to U scales as 1 / c and an SGD step
     turns R about lr / c^2 as fast: ``raw_std`` is an effective learning rate of the rotation.
+
+    Note [the raw matrix's conditioning]
+        The scale is not the only rate.  A square Gaussian raw matrix with rows of norm r is ill-conditioned (its
+        smallest singular value is about r / m, an orthogonal one's r), and the derivatives of the QR and polar
+        maps grow with the inverse of the raw matrix's singular values: a step on the raw matrix turns R far more
+        than lr / r^2 in the directions its small singular values govern.  Started at r times the same rotation
+        (``orthogonal_start``) the QR map is as well conditioned as it can be, and R turns at about lr / r^2.
+        Measured on chapter 7's CNN-9 (16/32/64 channels, rows of norm r = the neurons' mean length), one SGD step
+        at rate 0.1 turned a hidden neuron by 23.2 degrees on average from the Gaussian raw matrices, 1.9 from the
+        same rotations started orthogonal, and 1.6 in the plain network (2026-12-06).  Löwdin's polar map cannot
+        start at an orthogonal raw matrix: its SVD's gradient is undefined where the singular values are equal.
     """
 
     def __init__(self, dim: int, method: str = "gs", blocks: int = 1, shared: bool = False,
                  subset: int | None = None, unrolled: bool = False, generator: torch.Generator | None = None,
                  raw_std: float | str = 1.0, dtype: torch.dtype | None = None,
-                 device: torch.device | str | None = None):
+                 device: torch.device | str | None = None, orthogonal_start: bool = False):
         super().__init__()
         self.dim = integer("dim", dim, at_least=1)
         self.method = one_of("method", method, METHODS)
@@ -108,6 +122,9 @@ class OrthogonalRotation(nn.Module):
             raise ValueError(f"blocks must divide the neuron dimension {dim}, got {blocks}")
         self.shared, self.unrolled = bool(shared), bool(unrolled)
         self.subset = None if subset is None else integer("subset", subset, at_least=1, at_most=dim)
+        if orthogonal_start and method not in ("gs", "mgs", "householder"):  # lowdin: its SVD's gradient is
+            # undefined where every singular value is equal
+            raise ValueError(f"orthogonal_start needs method 'gs', 'mgs' or 'householder', got {method!r}")
         if self.subset is not None and (blocks > 1 or method == "lowdin"):
             raise ValueError("subset (S-OPT) rotates one block and needs a method other than 'lowdin' "
                              "(the SVD's gradient is undefined at its identity start)")
@@ -121,6 +138,8 @@ class OrthogonalRotation(nn.Module):
             raw = raw * (size**-0.5 if raw_std == "unit" else real_number("raw_std", raw_std, above=0.0))
             if method in ("or", "upt"):
                 raw = orth.qr_orthogonalize(raw)
+            elif orthogonal_start:
+                raw = orthogonal_blocks(raw, method) * raw.norm(dim=-1).pow(2).mean(-1).sqrt()[..., None, None]
         self.raw = nn.Parameter(raw)  # (count, m, m)
         self.handed: tuple | None = None  # (blocks, raw, raw's version) handed over by a model's forward
         if self.subset is not None:
