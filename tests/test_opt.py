@@ -162,11 +162,12 @@ def test_unit_raw_std_starts_each_raw_block_with_rows_near_unit_norm(blocks):
         make("units")
 
 
-@pytest.mark.parametrize("method", ["gs", "householder"])
+@pytest.mark.parametrize("method", ["gs", "householder", "lowdin"])
 def test_orthogonal_start_keeps_the_rotation_and_conditions_the_raw_matrix(method):
-    """Started orthogonal, the raw matrix maps to the rotation its Gaussian draw maps to, its rows all of the draw's
-    RMS norm; the map's derivative there is bounded by sqrt(2) / r (from the Gaussian draw it is far larger: Note
-    [the raw matrix's conditioning]); a method without a scale-free map refuses."""
+    """Started conditioned, the raw matrix maps to the rotation its Gaussian draw maps to, with the draw's RMS row
+    norm r (every row r for the QR maps; Löwdin's singular values r s, s evenly spread over [1/2, 3/2]); the map's
+    derivative there is bounded by sqrt(2) / r (QR) or 1 / (r s_min) (Löwdin), and from the Gaussian draw it is
+    far larger (Note [the raw matrix's conditioning]); a method without a scale-free map refuses."""
     def start(orthogonal):
         return opt.orthogonal_overparameterize(_layer(), method, generator=torch.Generator().manual_seed(4),
                                                raw_std="unit", orthogonal_start=orthogonal)
@@ -174,18 +175,23 @@ def test_orthogonal_start_keeps_the_rotation_and_conditions_the_raw_matrix(metho
     torch.testing.assert_close(conditioned.weight, gaussian.weight)  # the same rotation of V
     raw, raw_gaussian = opt.rotation_module(conditioned).raw, opt.rotation_module(gaussian).raw
     r = float(raw_gaussian.detach().norm(dim=-1).pow(2).mean().sqrt())
-    torch.testing.assert_close(raw.norm(dim=-1), torch.full(raw.shape[:-1], r, dtype=raw.dtype))
+    torch.testing.assert_close(raw.detach().norm(dim=-1).pow(2).mean().sqrt(), torch.tensor(r, dtype=raw.dtype))
+    spread = torch.linspace(0.5, 1.5, raw.shape[-1], dtype=raw.dtype)
+    singular = r * spread / spread.pow(2).mean().sqrt() if method == "lowdin" else torch.full_like(spread, r)
+    torch.testing.assert_close(torch.linalg.svdvals(raw.detach()), singular.flip(0).expand(raw.shape[:-1]))
+    bound = 1 / float(singular.min()) if method == "lowdin" else 2 ** 0.5 / r
     g = torch.Generator().manual_seed(5)
     directions = [torch.randn(raw.shape, generator=g, dtype=raw.dtype) for _ in range(8)]
     stretch = {}
     for name, at in (("orthogonal", raw), ("gaussian", raw_gaussian)):
         stretch[name] = max(float(torch.func.jvp(lambda u: rotations.orthogonal_blocks(u, method), (at.detach(),),
                                                  (e,))[1].norm() / e.norm()) for e in directions)
-    assert stretch["orthogonal"] <= 2 ** 0.5 / r * (1 + 1e-6)
+    assert stretch["orthogonal"] <= bound * (1 + 1e-6)
     assert stretch["gaussian"] > 2 * stretch["orthogonal"]
-    for other in ("lowdin", "cayley"):  # the SVD's gradient undefined at equal singular values; no scale-free map
-        with pytest.raises(ValueError, match="orthogonal_start"):
-            opt.orthogonal_overparameterize(_layer(), other, orthogonal_start=True)
+    with pytest.raises(ValueError, match="orthogonal_start"):  # Cayley's map is not scale-free
+        opt.orthogonal_overparameterize(_layer(), "cayley", orthogonal_start=True)
+    with pytest.raises(ValueError, match="method"):
+        rotations.conditioned_start(raw.detach(), "cayley")
 
 
 def test_rotation_rates_scale_as_one_over_the_square_of_the_raw_scale_and_sum_over_shared_copies():

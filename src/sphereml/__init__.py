@@ -36,6 +36,8 @@ module:
 * :mod:`~sphereml.models` — the book's networks, built from operator factories; ``Classifier``.
 * :mod:`~sphereml.initialisation` — He initialisation, the thesis's starting point (``he_init_``).
 * :mod:`~sphereml.constraints` — neurons held at their starting lengths between steps (``HoldNorms``).
+* :mod:`~sphereml.turning` — how far neurons turn, the effective learning rate across parametrisations
+  (``TurnTracker``).
 * :mod:`~sphereml.data` — Fashion-MNIST, digits, CIFAR-10/100, synthetic sphere data.
 * :mod:`~sphereml.train` — ``fit`` / ``evaluate``: seeding, devices, history, checkpoints, callbacks.
 * :mod:`~sphereml.multiseed` — ``fit_seeds``: several seeds of one network trained in one batched step.
@@ -54,7 +56,7 @@ module:
 import importlib
 
 from . import (angular, attacks, constraints, data, distributed, energy, geometry, heads, initialisation, launches,
-               layers, metrics, models, recalibration, regularizers, timing, train)
+               layers, metrics, models, recalibration, regularizers, timing, train, turning)
 from .geometry import angle_matrix, cosine_matrix, normalize, safe_angle, sample_sphere
 from .train import evaluate, fit, resolve_device, seed_everything
 
@@ -64,7 +66,7 @@ BOOK_MODULES = ("book",)  # loaded on first use
 
 __all__ = [
     "angular", "attacks", "constraints", "data", "distributed", "energy", "geometry", "heads", "initialisation",
-    "launches", "layers", "metrics", "models", "recalibration", "regularizers", "timing", "train",
+    "launches", "layers", "metrics", "models", "recalibration", "regularizers", "timing", "train", "turning",
     "normalize", "cosine_matrix", "safe_angle", "angle_matrix", "sample_sphere",
     "fit", "evaluate", "resolve_device", "seed_everything", "__version__",
 ]

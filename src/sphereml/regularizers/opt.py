@@ -44,11 +44,12 @@ from .._checks import integer, one_of, real_number
 from ..energy import hyperspherical_energy
 from ..geometry import normalize as unit_rows
 from . import Regularizer, select_layers
-from .rotations import (METHODS, ORTHOGONAL_BY_CONSTRUCTION, OrthogonalRotation, concatenated_groups, group_rotations,
-                        groups_of_equal_size, opt_layers, rotation_module, ungroup_rotations)
+from .rotations import (CONDITIONED_STARTS, METHODS, ORTHOGONAL_BY_CONSTRUCTION, OrthogonalRotation,
+                        concatenated_groups, group_rotations, groups_of_equal_size, opt_layers, rotation_module,
+                        ungroup_rotations)
 
 __all__ = [
-    "METHODS", "ORTHOGONAL_BY_CONSTRUCTION", "OrthogonalRotation", "orthogonal_overparameterize",
+    "METHODS", "ORTHOGONAL_BY_CONSTRUCTION", "CONDITIONED_STARTS", "OrthogonalRotation", "orthogonal_overparameterize",
     "overparameterize_model", "group_rotations", "ungroup_rotations", "rotation_module", "opt_layers",
     "rotation_rates", "fixed_neurons", "merge", "resample", "Resampler", "refine_neurons", "OrthogonalRelaxation",
     "OrthogonalSGD", "ogd_optimizer", "training_parts",
