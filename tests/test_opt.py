@@ -188,6 +188,17 @@ def test_orthogonal_start_keeps_the_rotation_and_conditions_the_raw_matrix(metho
                                                  (e,))[1].norm() / e.norm()) for e in directions)
     assert stretch["orthogonal"] <= bound * (1 + 1e-6)
     assert stretch["gaussian"] > 2 * stretch["orthogonal"]
+    if method == "lowdin":  # the polar map's worst direction W (e_{m-1} e_m^T - e_m e_{m-1}^T) V^T: 2 / (s_m-1 + s_m)
+        worst = {}
+        for name, at in (("orthogonal", raw.detach()), ("gaussian", raw_gaussian.detach())):
+            w, sigma, vh = torch.linalg.svd(at)
+            turn = torch.zeros_like(at)
+            turn[..., -2, -1], turn[..., -1, -2] = 1.0, -1.0
+            e = w @ turn @ vh
+            worst[name] = float(torch.func.jvp(lambda u: rotations.orthogonal_blocks(u, method), (at,), (e,))[1].norm()
+                                / e.norm())
+            assert worst[name] == pytest.approx(float(2 / (sigma[..., -1] + sigma[..., -2])), rel=1e-6)
+        assert worst["orthogonal"] <= bound and worst["gaussian"] > 2 * worst["orthogonal"]
     with pytest.raises(ValueError, match="orthogonal_start"):  # Cayley's map is not scale-free
         opt.orthogonal_overparameterize(_layer(), "cayley", orthogonal_start=True)
     with pytest.raises(ValueError, match="method"):

@@ -6,6 +6,7 @@ import pytest
 import torch
 from torch import nn
 
+from sphereml.regularizers import opt
 from sphereml.train import fit
 from sphereml.turning import TurnTracker, mean_turn, neuron_directions
 
@@ -77,3 +78,19 @@ def test_bad_arguments_are_named():
         mean_turn([layer], neuron_directions([nn.Linear(3, 4)]))
     with pytest.raises(ValueError, match="every"):
         TurnTracker([layer], every=0)
+
+
+def test_the_tracker_follows_a_rotated_layer():
+    """An OPT layer's weight is R V, recomputed from the raw matrix: the tracker reads it as the chapters do, and a
+    step that moves only the raw matrix turns the neurons (V itself never changes)."""
+    torch.manual_seed(2)
+    net = nn.Sequential(nn.Flatten(), nn.Linear(16, 5), nn.ReLU(), nn.Linear(5, 3))
+    opt.orthogonal_overparameterize(net[1], "gs", generator=torch.Generator().manual_seed(0), raw_std="unit",
+                                    orthogonal_start=True)
+    fixed = opt.fixed_neurons(net[1]).clone()
+    tracker, start = TurnTracker([net[1]]), neuron_directions([net[1]])
+    data = torch.utils.data.TensorDataset(torch.randn(8, 1, 4, 4), torch.randint(0, 3, (8,)))
+    fit(net, data, epochs=1, batch_size=8, lr=0.1, optimizer="sgd", callbacks=[tracker], device="cpu", progress=False)
+    torch.testing.assert_close(opt.fixed_neurons(net[1]), fixed)
+    assert tracker.steps == [1] and tracker.values[0] > 0.0
+    assert tracker.values[0] == pytest.approx(mean_turn([net[1]], start), rel=1e-6)
