@@ -83,3 +83,16 @@ def values_readable(t: Tensor) -> bool:
     ``torch.func`` transforms (``vmap`` over several seeds, :mod:`sphereml.multiseed`, cannot read a value)."""
     return (t.device.type == "cpu" and not torch.compiler.is_compiling() and not launches.checking_host_reads()
             and not is_functorch_wrapped_tensor(t))
+
+
+def layers_with_neurons(owner: str, layers: Iterable) -> list:
+    """``layers`` as a list, if it holds at least one module and each has a ``weight`` of two or more dimensions
+    (its neurons are the rows of the weight flattened to ``(out, fan_in)``); ``owner`` names the caller."""
+    layers = list(layers)
+    if not layers:
+        raise ValueError(f"{owner} needs at least one layer")
+    for layer in layers:
+        weight = getattr(layer, "weight", None)
+        if not isinstance(weight, Tensor) or weight.dim() < 2:
+            raise ValueError(f"{owner} needs layers with a weight of two or more dimensions, got {layer!r}")
+    return layers

@@ -12,6 +12,8 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from ._checks import layers_with_neurons
+
 __all__ = ["HoldNorms"]
 
 _FLOOR = 1e-30  # the least current length divided by: a neuron of length 0 stays 0
@@ -33,13 +35,8 @@ class HoldNorms:
     """
 
     def __init__(self, layers: Iterable[nn.Module]):
-        self.layers = list(layers)
-        if not self.layers:
-            raise ValueError("HoldNorms needs at least one layer")
+        self.layers = layers_with_neurons("HoldNorms", layers)
         for layer in self.layers:
-            weight = getattr(layer, "weight", None)
-            if not isinstance(weight, torch.Tensor) or weight.dim() < 2:
-                raise ValueError(f"HoldNorms needs layers with a weight of two or more dimensions, got {layer!r}")
             layer.register_buffer("held_length", self.lengths(layer), persistent=False)
 
     @staticmethod

@@ -14,6 +14,7 @@ from collections.abc import Iterable
 import torch
 from torch import Tensor, nn
 
+from ._checks import layers_with_neurons
 from .geometry import normalize
 from .train import Tracker
 
@@ -22,15 +23,7 @@ __all__ = ["neuron_directions", "mean_turn", "TurnTracker"]
 
 def _weights(layers: Iterable[nn.Module]) -> list[Tensor]:
     """Each layer's neurons as rows, ``(out, fan_in)``, detached; a named error where a layer has none."""
-    weights = []
-    for layer in layers:
-        weight = getattr(layer, "weight", None)
-        if not isinstance(weight, Tensor) or weight.dim() < 2:
-            raise ValueError(f"turning needs layers with a weight of two or more dimensions, got {layer!r}")
-        weights.append(weight.detach().flatten(1))
-    if not weights:
-        raise ValueError("turning needs at least one layer")
-    return weights
+    return [layer.weight.detach().flatten(1) for layer in layers_with_neurons("turning", layers)]
 
 
 def neuron_directions(layers: Iterable[nn.Module]) -> list[Tensor]:
