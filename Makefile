@@ -16,8 +16,10 @@ PYTEST_ARGS ?=
 .PHONY: setup torch-index test test-fast book book-smoke bench sync gpu-scripts clean
 setup: $(STAMP)
 
+# The venv is checked by its pip, not its python: one made without ensurepip (Debian without python3-venv) has a
+# python and no pip, and `python3 -m venv` is run again, to fail with its own message.
 $(STAMP): pyproject.toml
-	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	@test -x $(BIN)/pip || $(PYTHON) -m venv $(VENV)
 	@if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
 	  echo "NVIDIA GPU found: installing CUDA torch $(TORCH_VERSION)"; \
 	  $(BIN)/pip install "torch==$(TORCH_VERSION)"; \

@@ -1,5 +1,7 @@
-"""The set-up around the code: `make` without the PyTorch CPU index, and the publishing workflow."""
+"""The set-up around the code: `make` without the PyTorch CPU index, conda's environment file, and the publishing
+workflow."""
 
+import re
 import shutil
 import subprocess
 import time
@@ -32,3 +34,14 @@ def test_the_publishing_workflow_builds_and_uploads_the_book():
     assert "_build/html" in (REPO / "Makefile").read_text()
     assert flow["jobs"]["deploy"]["steps"][0]["uses"].startswith("actions/deploy-pages")
     assert flow["permissions"]["pages"] == "write" and flow["permissions"]["id-token"] == "write"
+
+
+def test_the_conda_environment_installs_what_make_installs():
+    env = yaml.safe_load((REPO / "environment.yml").read_text())
+    pip = next(d["pip"] for d in env["dependencies"] if isinstance(d, dict))
+    torch_version = re.search(r"^TORCH_VERSION \?= (\S+)$", (REPO / "Makefile").read_text(), re.M).group(1)
+    assert f"torch=={torch_version}" in pip  # the version the book is tested with, not conda's older builds
+    assert "-e .[book,test]" in pip and '$(BIN)/pip install -e ".[book,test]"' in (REPO / "Makefile").read_text()
+    python = next(d for d in env["dependencies"] if isinstance(d, str) and d.startswith("python="))
+    required = re.search(r'requires-python = ">=(\d+\.\d+)"', (REPO / "pyproject.toml").read_text()).group(1)
+    assert tuple(map(int, python.split("=")[1].split("."))) >= tuple(map(int, required.split(".")))
