@@ -63,6 +63,18 @@ def test_chapter_records_metrics_and_picks_by_profile(tmp_path):
     assert json.loads((tmp_path / "metrics.json").read_text())["figures"] == ["line.png"]
 
 
+def test_comparison_seeds_follow_the_profile_or_the_readers_count(tmp_path):
+    smoke = chapter.Chapter("demo", profile="smoke", device="cpu", seed=3, output_dir=str(tmp_path / "s"))
+    assert smoke.comparison_seeds() == [3, 4] and smoke.metrics["params"]["num_seeds"] == 0
+    cpu = chapter.Chapter("demo", profile="cpu", device="cpu", seed=0, output_dir=str(tmp_path / "c"))
+    assert cpu.comparison_seeds(0) == [0, 1, 2]
+    assert cpu.comparison_seeds(5) == [0, 1, 2, 3, 4] and cpu.metrics["params"]["num_seeds"] == 5
+    assert json.loads((tmp_path / "c" / "metrics.json").read_text())["seed"] == 0
+    for bad in (1, -1, 2.0, True):
+        with pytest.raises(ValueError, match="num_seeds"):
+            cpu.comparison_seeds(bad)
+
+
 def test_say_wraps_a_sentence_to_the_column_width(capsys):
     chapter.Chapter.say("abcdefghi " * 20)  # ten characters a word: 9 words (89 characters) on a line of 96
     lines = capsys.readouterr().out.splitlines()

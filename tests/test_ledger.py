@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from sphereml.book import ledger
+from sphereml.book import ledger, runner
 from sphereml.book.chapter import CLAIM_KINDS
 
 REPO = Path(__file__).resolve().parents[1]
@@ -93,6 +93,27 @@ def test_collect_merges_profiles_skips_smoke_and_replaces_reruns(tmp_path):
     assert "\n\n" not in page[page.index("<table"):page.index("</table>")]  # no blank line ends the block
     assert "- `cpu` profile: 1 claims from 1 chapters: 0 holds, 0 does not hold, 1 not distinguishable, " \
            "0 not testable." in page
+
+
+def test_collect_keeps_only_runs_at_their_profiles_own_settings(tmp_path, capsys):
+    default = _metrics(tmp_path / "d", "01_a", "cpu", [_claim("x", "holds")], seed=0,
+                       params={"train_size": 0, "epochs": 0, "num_seeds": 0})
+    more_seeds = _metrics(tmp_path / "m", "01_a", "cpu", [_claim("x", "does not hold")], seed=0,
+                          params={"train_size": 0, "epochs": 0, "num_seeds": 5})
+    other_seed = _metrics(tmp_path / "o", "02_b", "cpu", [_claim("y")], seed=4, params={"epochs": 0})
+    assert ledger.custom_settings(json.loads(default.read_text())) == {}
+    assert ledger.custom_settings(json.loads(more_seeds.read_text())) == {"num_seeds": 5}
+    assert ledger.custom_settings(json.loads(other_seed.read_text())) == {"seed": 4}
+    skipped = []
+    snapshot = ledger.collect([default, more_seeds, other_seed], skipped=skipped)
+    assert snapshot["chapters"]["01_a"]["cpu"]["claims"][0]["verdict"] == "holds" and "02_b" not in snapshot["chapters"]
+    assert skipped == [(more_seeds, {"num_seeds": 5}), (other_seed, {"seed": 4})]
+    runs = tmp_path / "runs"
+    (runs / "01_a").mkdir(parents=True)
+    (runs / "01_a" / "metrics.json").write_text(more_seeds.read_text())
+    (tmp_path / "book").mkdir()
+    runner.write_ledger(runs, tmp_path / "book")
+    assert "run with num_seeds=5 (the ledger holds each profile's own settings)" in capsys.readouterr().err
 
 
 def test_render_marks_missing_profiles_and_collect_rejects_bad_records(tmp_path):

@@ -74,8 +74,14 @@ def test_pairing_has_not_drifted(name):
     names = [t.id for node in ast.parse(first_code.source).body if isinstance(node, ast.Assign) for t in node.targets]
     for knob in ("profile", "device", "seed", "output_dir"):
         assert knob in names
+    if "SEEDS = " in md_source(name):  # a chapter that trains comparisons takes a reader's number of seeds
+        assert "num_seeds" in names and "SEEDS = ch.comparison_seeds(num_seeds)" in md_source(name)
     # papermill must see every parameter, or `-p name value` would be refused as unknown
     assert sorted(book.chapter_parameters(REPO / "notebooks" / f"{name}.ipynb")) == sorted(names)
+
+
+def md_source(name: str) -> str:
+    return (REPO / "notebooks" / f"{name}.md").read_text()
 
 
 def _offline_smoke_env(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -207,6 +213,19 @@ def test_chapter_paper_paths_run_tiny(name, offline_smoke, monkeypatch, tmp_path
     """The paper profile's code (the sources' own recipes, :mod:`sphereml.book.recipes`) for one epoch at tiny
     sizes: what ``-p profile paper`` changes runs on this CPU."""
     _run_tiny(name, "paper", monkeypatch, tmp_path)
+
+
+@pytest.mark.notebook
+@pytest.mark.parametrize("name", [c for c in CHAPTERS if "SEEDS = " in md_source(Path(c).stem)])
+def test_chapter_runs_with_a_readers_number_of_seeds(name, smoke_run, offline_smoke, tmp_path):
+    """``-p num_seeds 3`` in the smoke profile (two seeds by default): the chapter runs with a seed count of the
+    reader's, and its trained comparisons train the extra seed (more trainings than the default run's)."""
+    executed = nbformat.read(book.run_chapter(name, {"num_seeds": 3}, tmp_path), as_version=4)
+    assert not [o for c in executed.cells if c.cell_type == "code" for o in c.outputs if o.output_type == "error"]
+    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    default = json.loads(smoke_run(name).metrics.read_text())
+    assert metrics["params"]["num_seeds"] == 3 and default["params"]["num_seeds"] == 0
+    assert len(metrics["fits"]) > len(default["fits"]), f"{name}: no more trainings with three seeds than two"
 
 
 # Values that measure the machine rather than the mathematics: wall times and ratios of times.

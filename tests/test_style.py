@@ -23,9 +23,10 @@ def test_ruff_finds_nothing():
 
 
 def _code_lines(chapter: Path) -> int:
-    """Lines of code in a chapter's code cells: neither blank, nor comments, nor cell options (read as JSON: a
-    GPU box has no nbformat)."""
-    cells = [c for c in json.loads(chapter.read_text())["cells"] if c["cell_type"] == "code"]
+    """Lines of code in a chapter's code cells but its parameters cell (the knobs a reader turns are its interface,
+    not its code): neither blank, nor comments, nor cell options (read as JSON: a GPU box has no nbformat)."""
+    cells = [c for c in json.loads(chapter.read_text())["cells"]
+             if c["cell_type"] == "code" and "parameters" not in c.get("metadata", {}).get("tags", [])]
     lines = [line.strip() for c in cells for line in "".join(c["source"]).splitlines()]
     return sum(1 for line in lines if line and not line.startswith("#"))
 
@@ -34,7 +35,7 @@ def _code_lines(chapter: Path) -> int:
 # benchmark or a reader's project could reuse lives in ``sphereml``, with a test.  Three chapters are above that
 # today (their quoted tables and claims); their budgets only stop them from growing.
 CODE_LINES = 500
-CODE_LINES_TODAY = {"04_decoupled": 615, "05_sharpened_cosine": 525, "09_opt": 560}
+CODE_LINES_TODAY = {"04_decoupled": 608, "05_sharpened_cosine": 519, "09_opt": 554}
 
 
 def test_chapters_leave_reusable_code_to_the_library():

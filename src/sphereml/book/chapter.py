@@ -132,7 +132,8 @@ class Chapter:
         self.metrics: dict = {
             "chapter": name, "profile": self.profile, "device": str(self.device),
             "device_name": torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu",
-            "torch": torch.__version__, "params": dict(params or {}), "threads": torch.get_num_threads(),
+            "torch": torch.__version__, "seed": self.seed, "params": dict(params or {}),
+            "threads": torch.get_num_threads(),
             "cpu_capability": torch.backends.cpu.get_cpu_capability(),  # the vector kernels torch chose (AVX2, AVX512)
             "claims": [], "tiny": self.tiny, "fits": [], "elapsed_seconds": 0.0,
             "seeds_together": self.seeds_together,
@@ -154,6 +155,19 @@ class Chapter:
         if self.scale == "paper" and "paper" not in by_profile:
             return by_profile["gpu"]
         return by_profile[self.scale]
+
+    def comparison_seeds(self, count: int = 0) -> list[int]:
+        """The seeds every trained comparison of the chapter pairs: ``count`` consecutive seeds from the chapter's
+        ``seed``, or the profile's number when ``count`` is 0 — two in ``smoke`` (and a tiny run), enough to
+        exercise the pairing, three in the others.  More seeds narrow a verdict's noise: its seed term is the 95 %
+        half-width of the mean paired difference, 2.48 times the differences' s.d. with three seeds and 1.24
+        times with five (:func:`~sphereml.book.verdicts.compare_over_seeds`)."""
+        count = integer("num_seeds", count, at_least=0)
+        if count == 1:
+            raise ValueError("num_seeds must be 0 (the profile's number) or at least 2: one seed has no spread to "
+                             "pair")
+        self.metrics["params"]["num_seeds"] = count  # a setting of the run, as the parameters cell's are
+        return list(range(self.seed, self.seed + (count or self.pick(smoke=2, cpu=3, gpu=3))))
 
     @property
     def full_scale(self) -> bool:

@@ -26,7 +26,7 @@ from .runs import PROFILES
 from .report import LEDGER_PROFILES, claim_records, ledger_table, scale_changes
 from .verdicts import VERDICTS
 
-__all__ = ["LABELS", "collect", "render", "load_snapshot"]
+__all__ = ["LABELS", "collect", "custom_settings", "render", "load_snapshot"]
 
 LABELS = {name: name for name in VERDICTS.values()}  # the page uses the verdicts' own words
 # what the page says about the run behind each column; the CPU's vector kernels (AVX2, AVX512) round
@@ -40,15 +40,26 @@ def load_snapshot(path: str | os.PathLike) -> dict:
     return json.loads(path.read_text()) if path.exists() else {"chapters": {}}
 
 
-def collect(metrics_paths, snapshot: dict | None = None, profiles: tuple[str, ...] = LEDGER_PROFILES) -> dict:
+def custom_settings(metrics: dict) -> dict:
+    """The settings in which a chapter's run left its profile's own: a first seed other than 0, or a parameter
+    given a value (the chapters' knobs mean "the profile's default" at 0 or empty), e.g. ``{"num_seeds": 5}``."""
+    settings = {key: value for key, value in metrics.get("params", {}).items() if value not in (0, "", None)}
+    return ({"seed": metrics["seed"]} if metrics.get("seed", 0) != 0 else {}) | settings
+
+
+def collect(metrics_paths, snapshot: dict | None = None, profiles: tuple[str, ...] = LEDGER_PROFILES,
+            skipped: list | None = None) -> dict:
     """Merge the claims of executed chapters into ``snapshot`` (a new one when None).
 
     Args:
         metrics_paths: ``metrics.json`` files of chapter runs; runs of a profile not in ``profiles`` (a
             ``smoke`` run), tiny gpu runs (``SPHEREML_GPU_TINY``) and runs without claims are skipped, and a
-            run replaces the earlier entry of its chapter and profile.
+            run replaces the earlier entry of its chapter and profile.  Runs with :func:`custom_settings` (a
+            reader's ``-p epochs 10`` or ``-p num_seeds 5``) are skipped too: the ledger holds each profile's
+            own settings.
         snapshot (dict, optional): the snapshot to update.
         profiles (tuple[str]): the profiles the ledger reports.
+        skipped (list, optional): receives ``(path, settings)`` for each run skipped for its custom settings.
 
     Returns:
         ``{"chapters": {name: {profile: {"device_name", "torch", "threads", "cpu_capability", "claims": [...]}}}}``
@@ -60,6 +71,10 @@ def collect(metrics_paths, snapshot: dict | None = None, profiles: tuple[str, ..
         profile = metrics.get("profile")
         if profile not in profiles or profile not in PROFILES or metrics.get("tiny") or not metrics.get("claims"):
             continue  # a smoke or tiny run, or a chapter that makes no claim (the conclusion)
+        if custom_settings(metrics):
+            if skipped is not None:
+                skipped.append((path, custom_settings(metrics)))
+            continue
         entry = {field: metrics.get(field) for field in RUN_FIELDS}
         entry["claims"] = [_check_record(record, path) for record in metrics.get("claims", [])]
         snapshot["chapters"].setdefault(metrics["chapter"], {})[profile] = entry

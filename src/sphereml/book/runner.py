@@ -210,7 +210,12 @@ def write_ledger(runs_dir=None, book_dir=None) -> Path:
     runs_dir = Path(runs_dir) if runs_dir is not None else root / "_build" / "runs"
     book_dir = Path(book_dir) if book_dir is not None else root / "book"
     snapshot_path = book_dir / "claims.json"
-    snapshot = ledger.collect(sorted(runs_dir.glob("*/metrics.json")), ledger.load_snapshot(snapshot_path))
+    skipped = []
+    snapshot = ledger.collect(sorted(runs_dir.glob("*/metrics.json")), ledger.load_snapshot(snapshot_path),
+                              skipped=skipped)
+    for path, settings in skipped:
+        shown = ", ".join(f"{key}={value}" for key, value in settings.items())
+        print(f"skipped {path}: run with {shown} (the ledger holds each profile's own settings)", file=sys.stderr)
     snapshot_path.write_text(json.dumps(snapshot, indent=1, ensure_ascii=False) + "\n")
     page = book_dir / "claims.md"
     page.write_text(ledger.render(snapshot))
