@@ -59,6 +59,21 @@ def test_run_chapter_with_parameters(tiny_chapter, tmp_path):
     assert metrics["repeats"] == 5 and metrics["profile_used"] == "smoke"
 
 
+def test_readers_settings_name_what_differs_from_the_parameters_cell():
+    defaults = {"profile": "auto", "device": "auto", "seed": 0, "output_dir": "", "epochs": 0, "num_seeds": 0}
+    assert runner.readers_settings({"profile": "cpu", "device": "cpu", "output_dir": "x", "epochs": 0}, defaults) == {}
+    assert runner.readers_settings({"epochs": 0, "num_seeds": 5, "seed": 2}, defaults) == {"num_seeds": 5, "seed": 2}
+
+
+@pytest.mark.subprocess
+def test_a_run_with_the_readers_settings_is_kept_apart_from_the_recorded_one(tiny_chapter, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # outside a repository the runs go under ./_build/runs
+    runs = tmp_path / "_build" / "runs"
+    assert book.run_chapter("tiny", {"profile": "cpu", "repeats": "5"}, notebooks_dir=tiny_chapter) == \
+        runs / "custom" / "tiny" / "tiny.ipynb"
+    assert book.run_chapter("tiny", {"profile": "cpu"}, notebooks_dir=tiny_chapter) == runs / "tiny" / "tiny.ipynb"
+
+
 def test_run_chapter_rejects_unknown_parameters_and_chapters(tiny_chapter, tmp_path):
     with pytest.raises(ValueError, match="unknown parameter 'epochs'.*\\['output_dir', 'profile', 'repeats'\\]"):
         book.run_chapter("tiny", {"epochs": "3"}, tmp_path, tiny_chapter)

@@ -33,12 +33,16 @@ def test_output_dir_resolution(tmp_path, monkeypatch):
     monkeypatch.chdir(REPO / "notebooks")
     runs = REPO / "_build" / "runs"
     assert chapter.resolve_output_dir("ch", profile="cpu") == runs / "ch"
+    assert chapter.default_output_dir("ch", profile="cpu", custom=True) == runs / "custom" / "ch"  # a reader's run
+    assert chapter.default_output_dir("ch", profile="smoke", custom=True) == runs / "smoke" / "ch"
     assert chapter.resolve_output_dir("ch", profile="gpu") == runs / "ch"
     # the runs the ledger skips keep apart, so that a quick check never overwrites a recorded run's metrics
     assert chapter.resolve_output_dir("ch", profile="smoke") == runs / "smoke" / "ch"
     monkeypatch.setenv("SPHEREML_GPU_TINY", "1")
     assert chapter.resolve_output_dir("ch", profile="gpu") == runs / "tiny" / "ch"
     assert chapter.resolve_output_dir("ch", profile="cpu") == runs / "ch"
+    assert chapter.default_output_dir("ch", profile="cpu", custom=True) == runs / "custom" / "ch"  # a reader's run
+    assert chapter.default_output_dir("ch", profile="smoke", custom=True) == runs / "smoke" / "ch"
     monkeypatch.setenv("SPHEREML_PROFILE", "smoke")
     assert chapter.resolve_output_dir("ch") == runs / "smoke" / "ch"
     monkeypatch.setenv("SPHEREML_OUTPUT", str(tmp_path / "env"))
@@ -66,10 +70,11 @@ def test_chapter_records_metrics_and_picks_by_profile(tmp_path):
 def test_comparison_seeds_follow_the_profile_or_the_readers_count(tmp_path):
     smoke = chapter.Chapter("demo", profile="smoke", device="cpu", seed=3, output_dir=str(tmp_path / "s"))
     assert smoke.comparison_seeds() == [3, 4] and smoke.metrics["params"]["num_seeds"] == 0
+    assert json.loads((tmp_path / "s" / "metrics.json").read_text())["seed"] == 3
     cpu = chapter.Chapter("demo", profile="cpu", device="cpu", seed=0, output_dir=str(tmp_path / "c"))
     assert cpu.comparison_seeds(0) == [0, 1, 2]
+    assert cpu.comparison_seeds(3) == [0, 1, 2] and cpu.metrics["params"]["num_seeds"] == 0  # the default, named
     assert cpu.comparison_seeds(5) == [0, 1, 2, 3, 4] and cpu.metrics["params"]["num_seeds"] == 5
-    assert json.loads((tmp_path / "c" / "metrics.json").read_text())["seed"] == 0
     for bad in (1, -1, 2.0, True):
         with pytest.raises(ValueError, match="num_seeds"):
             cpu.comparison_seeds(bad)

@@ -218,14 +218,15 @@ def test_chapter_paper_paths_run_tiny(name, offline_smoke, monkeypatch, tmp_path
 @pytest.mark.notebook
 @pytest.mark.parametrize("name", [c for c in CHAPTERS if "SEEDS = " in md_source(Path(c).stem)])
 def test_chapter_runs_with_a_readers_number_of_seeds(name, smoke_run, offline_smoke, tmp_path):
-    """``-p num_seeds 3`` in the smoke profile (two seeds by default): the chapter runs with a seed count of the
-    reader's, and its trained comparisons train the extra seed (more trainings than the default run's)."""
-    executed = nbformat.read(book.run_chapter(name, {"num_seeds": 3}, tmp_path), as_version=4)
+    """``-p num_seeds 4`` in the smoke profile (two seeds by default, three in the others): the chapter runs with a
+    seed count of the reader's, and its trained comparisons train the extra seeds (more trainings than the default
+    run's)."""
+    executed = nbformat.read(book.run_chapter(name, {"num_seeds": 4}, tmp_path), as_version=4)
     assert not [o for c in executed.cells if c.cell_type == "code" for o in c.outputs if o.output_type == "error"]
     metrics = json.loads((tmp_path / "metrics.json").read_text())
     default = json.loads(smoke_run(name).metrics.read_text())
-    assert metrics["params"]["num_seeds"] == 3 and default["params"]["num_seeds"] == 0
-    assert len(metrics["fits"]) > len(default["fits"]), f"{name}: no more trainings with three seeds than two"
+    assert metrics["params"]["num_seeds"] == 4 and default["params"]["num_seeds"] == 0
+    assert len(metrics["fits"]) > len(default["fits"]), f"{name}: no more trainings with four seeds than two"
 
 
 # Values that measure the machine rather than the mathematics: wall times and ratios of times.

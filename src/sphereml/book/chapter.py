@@ -166,8 +166,9 @@ class Chapter:
         if count == 1:
             raise ValueError("num_seeds must be 0 (the profile's number) or at least 2: one seed has no spread to "
                              "pair")
-        self.metrics["params"]["num_seeds"] = count  # a setting of the run, as the parameters cell's are
-        return list(range(self.seed, self.seed + (count or self.pick(smoke=2, cpu=3, gpu=3))))
+        default = self.pick(smoke=2, cpu=3, gpu=3)
+        self.metrics["params"]["num_seeds"] = 0 if count == default else count  # a setting of the run (0: default)
+        return list(range(self.seed, self.seed + (count or default)))
 
     @property
     def full_scale(self) -> bool:

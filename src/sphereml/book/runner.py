@@ -32,7 +32,8 @@ from pathlib import Path
 
 from .runs import default_output_dir, repo_root
 
-__all__ = ["chapter_parameters", "run_chapter", "cache_executed_notebook", "write_ledger", "estimate_text", "main"]
+__all__ = ["chapter_parameters", "readers_settings", "run_chapter", "cache_executed_notebook", "write_ledger",
+           "estimate_text", "main"]
 
 
 def _notebooks_dir(notebooks_dir=None) -> Path:
@@ -79,8 +80,9 @@ def run_chapter(name: str, parameters: dict | None = None, output_dir=None, note
                 kernel_name: str | None = None) -> Path:
     """Execute chapter ``name`` through papermill; return the executed notebook's path.
 
-    Figures and ``metrics.json`` go to ``output_dir`` (default ``_build/runs/<name>``, or ``_build/runs/smoke/<name>``
-    and ``_build/runs/tiny/<name>`` for the runs the ledger skips: :func:`~sphereml.book.chapter.default_output_dir`),
+    Figures and ``metrics.json`` go to ``output_dir`` (default ``_build/runs/<name>``, or ``_build/runs/smoke/<name>``,
+    ``_build/runs/tiny/<name>`` and, with :func:`readers_settings`, ``_build/runs/custom/<name>`` for the runs the
+    ledger skips: :func:`~sphereml.book.chapter.default_output_dir`),
     passed to the notebook as its ``output_dir`` parameter.  With no parameters the
     notebook runs unchanged (no injected cell), which lets the book's execution cache
     reuse the result (see :func:`cache_executed_notebook`).
@@ -102,7 +104,8 @@ def run_chapter(name: str, parameters: dict | None = None, output_dir=None, note
         if key not in defaults:
             raise ValueError(f"unknown parameter {key!r} for {name}; its parameters are {sorted(defaults)}")
         params[key] = _convert(key, value, defaults[key])
-    out = Path(output_dir) if output_dir else default_output_dir(name, source, params.get("profile", "auto"))
+    custom = bool(readers_settings(params, defaults))  # its metrics are not the ledger's: kept apart
+    out = Path(output_dir) if output_dir else default_output_dir(name, source, params.get("profile", "auto"), custom)
     out.mkdir(parents=True, exist_ok=True)
     if params and "output_dir" in defaults:
         params.setdefault("output_dir", str(out.resolve()))
@@ -200,6 +203,13 @@ def estimate_text(name: str, runs_dir=None, current_device: str | None = None) -
     if current_device is not None and current_device != est["device_name"]:
         lines.append(f"this machine has {current_device}: the estimate holds for {est['device_name']}")
     return "\n".join(lines)
+
+
+def readers_settings(params: dict, defaults: dict) -> dict:
+    """The chapter parameters of a run that differ from the parameters cell's, but those that choose where and how
+    it runs (``profile``, ``device``, ``output_dir``): e.g. ``{"epochs": 10}``."""
+    return {key: value for key, value in params.items()
+            if key not in ("profile", "device", "output_dir") and value != defaults.get(key)}
 
 
 def write_ledger(runs_dir=None, book_dir=None) -> Path:

@@ -68,17 +68,22 @@ def is_tiny(profile: str) -> bool:
     return profile in FULL_SCALE and os.environ.get("SPHEREML_GPU_TINY") == "1"
 
 
-def default_output_dir(chapter: str, start: str | os.PathLike | None = None, profile: str = "auto") -> Path:
-    """``<repo>/_build/runs/<chapter>`` for a run that the ledger records (``cpu``, ``gpu``, ``paper``), and
-    ``<repo>/_build/runs/smoke/<chapter>`` or ``<repo>/_build/runs/tiny/<chapter>`` for one it skips (``smoke``, a
-    tiny gpu run), so that a quick check never overwrites a recorded run's metrics; the repository is found from
-    ``start`` (default: cwd), outside one ``./_build/runs``.  ``profile`` as :func:`resolve_profile` takes it."""
+def default_output_dir(chapter: str, start: str | os.PathLike | None = None, profile: str = "auto",
+                       custom: bool = False) -> Path:
+    """``<repo>/_build/runs/<chapter>`` for a run that the ledger records (``cpu``, ``gpu``, ``paper`` at the
+    profile's own settings), and ``<repo>/_build/runs/smoke/<chapter>``, ``.../tiny/<chapter>`` or
+    ``.../custom/<chapter>`` for one it skips (``smoke``, a tiny gpu run, a run with a reader's ``custom``
+    settings such as ``-p epochs 10``), so that a quick check or an experiment never overwrites a recorded run's
+    metrics; the repository is found from ``start`` (default: cwd), outside one ``./_build/runs``.  ``profile`` as
+    :func:`resolve_profile` takes it."""
     profile = resolve_profile(profile)
     runs = (repo_root(start) or Path.cwd()) / "_build" / "runs"
     if profile == "smoke":
         runs = runs / "smoke"
     elif is_tiny(profile):
         runs = runs / "tiny"
+    elif custom:
+        runs = runs / "custom"
     return runs / chapter
 
 
