@@ -71,9 +71,10 @@ def collect(metrics_paths, snapshot: dict | None = None, profiles: tuple[str, ..
         profile = metrics.get("profile")
         if profile not in profiles or profile not in PROFILES or metrics.get("tiny") or not metrics.get("claims"):
             continue  # a smoke or tiny run, or a chapter that makes no claim (the conclusion)
-        if custom_settings(metrics):
+        settings = custom_settings(metrics)
+        if settings:
             if skipped is not None:
-                skipped.append((path, custom_settings(metrics)))
+                skipped.append((path, settings))
             continue
         entry = {field: metrics.get(field) for field in RUN_FIELDS}
         entry["claims"] = [_check_record(record, path) for record in metrics.get("claims", [])]
