@@ -34,11 +34,20 @@ def compiling(device: torch.device) -> bool:
     return device.type == "cuda" and not SMOKE and os.environ.get("SPHEREML_BENCH_COMPILE", "1") != "0"
 
 
-def first_call(benchmark: str, label: str, candidate: Callable[[], object]) -> Callable[[], object] | None:
-    """``candidate`` after one call, which compiles it where it is compiled; None, with the failure printed, when
-    that call fails, so that a candidate that cannot compile drops out alone."""
+def first_call(benchmark: str, label: str, candidate: Callable[[], object],
+               calls: int | None = None) -> Callable[[], object] | None:
+    """``candidate`` after ``calls`` calls (default: three on CUDA, one elsewhere), which compile it where it is
+    compiled; None, with the failure printed, when one of them fails, so that a candidate that cannot compile drops
+    out alone.  Three on CUDA because ``mode="reduce-overhead"`` runs a step once as it is, records the CUDA graph
+    at the second call and replays it from the third: an operation that cannot be captured (``linalg.solve`` in
+    OPT's Cayley transform on an H100, 2026-12-06) fails at the second, which was inside the timing and took the
+    whole benchmark down with it."""
+    calls = (3 if torch.cuda.is_available() else 1) if calls is None else calls
     try:
-        candidate()
+        for _ in range(calls):
+            candidate()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
     except Exception as exc:  # noqa: BLE001 - report and go on
         print(f"{benchmark}: {label} failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
         return None

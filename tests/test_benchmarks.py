@@ -271,3 +271,22 @@ def test_repeated_ratios_rotates_who_goes_first_and_pairs_every_run():
         repeated_ratios(candidates, "a", times=0)
     with pytest.raises(ValueError, match="baseline"):
         repeated_ratios(candidates, "z", times=1)
+
+
+def test_first_call_drops_a_candidate_that_fails_on_a_later_call(capsys):
+    """A step compiled with mode="reduce-overhead" records its CUDA graph at the second call: a candidate that
+    fails there drops out before the timing instead of stopping the benchmark (OPT's Cayley step, an H100)."""
+    from benchmarks.harness import first_call
+
+    calls = []
+
+    def fails_second_time():
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("operation not permitted when stream is capturing")
+
+    assert first_call("test", "capture", fails_second_time, calls=3) is None
+    assert "test: capture failed: RuntimeError: operation not permitted" in capsys.readouterr().out
+    calls.clear()
+    assert first_call("test", "eager", fails_second_time, calls=1) is fails_second_time
+    assert len(calls) == 1

@@ -91,7 +91,7 @@ def test_collect_merges_profiles_skips_smoke_and_replaces_reruns(tmp_path):
     assert "{include} verdicts.md" in page and "The four verdicts" in (REPO / "book" / "verdicts.md").read_text()
     assert "a | b</a>" in page and "a 0.1235" in page  # one HTML block, numbers shortened
     assert "\n\n" not in page[page.index("<table"):page.index("</table>")]  # no blank line ends the block
-    assert "- `cpu` profile: 1 claims from 1 chapters: 0 holds, 0 does not hold, 1 not distinguishable, " \
+    assert "- `cpu` profile: 1 claim from 1 chapter: 0 holds, 0 does not hold, 1 not distinguishable, " \
            "0 not testable." in page
 
 

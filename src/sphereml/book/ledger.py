@@ -101,8 +101,14 @@ def _summary(snapshot: dict) -> list[str]:
         counts = {label: sum(LABELS[r["verdict"]] == label for r in records) for label in LABELS.values()}
         chapters = sum(profile in runs for runs in snapshot["chapters"].values())
         parts = ", ".join(f"{n} {label}" for label, n in counts.items())
-        lines.append(f"- `{profile}` profile: {len(records)} claims from {chapters} chapters: {parts}.")
+        lines.append(f"- `{profile}` profile: {_count(len(records), 'claim')} from {_count(chapters, 'chapter')}: "
+                     f"{parts}.")
     return lines + _scale_changes(snapshot)
+
+
+def _count(n: int, noun: str) -> str:
+    """``1 claim``, ``2 claims``."""
+    return f"{n} {noun}" + ("" if n == 1 else "s")
 
 
 def _scale_changes(snapshot: dict) -> list[str]:
