@@ -10,9 +10,10 @@
 #             test: SPHEREML_NO_DEV_TOOLS=1); each test's duration in $OUT/durations.txt; failing node ids
 #             in $OUT/failures.txt, their messages in $OUT/failure-messages.txt as they happen (so a suite
 #             stopped by its limit still says why), the whole log in $OUT/tests.txt     (TESTS_LIMIT, 240 s)
-#   bench     every benchmark on CUDA but the energy's scaling study (or the listed ones), with inductor's
-#             reasons for skipping CUDA graphs (TORCH_LOGS=perf_hints), then the open issues' goals against
-#             the saved results in $OUT/goals.txt (python -m benchmarks.goals)           (BENCH_LIMIT, 240 s)
+#   bench     every benchmark on CUDA but the energy's scaling study (or the listed ones), each in its own
+#             process within what is left of the limit, with inductor's reasons for skipping CUDA graphs
+#             (TORCH_LOGS=perf_hints), then the open issues' goals against the saved results in
+#             $OUT/goals.txt (python -m benchmarks.goals)                                   (BENCH_LIMIT, 240 s)
 #   scaling   the energy's scaling study up to N = 2^20                                   (SCALING_LIMIT, 500 s)
 #   profile   each patch layer by backend: wall, host and device time per call, top kernels (PROFILE_LIMIT, 120 s)
 #   chapter:NAME / chapters   a chapter's gpu profile (all nine, one after another; chapters-at-once: all at
@@ -80,8 +81,25 @@ for part in "${PARTS[@]}"; do
       if [ -z "$names" ]; then
         names=$(ls benchmarks/bench_*.py | sed -E 's|.*/bench_(.*)\.py|\1|' | tr '\n' ' ')
       fi
+      # each benchmark in its own process, within what is left of BENCH_LIMIT, so that one that dies (the OPT step
+      # that CUDA graphs could not capture, on an H100 on 2026-12-06, took the two queued after it down with it)
+      # leaves the others to run; each one's line in summary.txt, their output together in bench.txt
       # perf_hints: inductor says when it skips CUDA graphs for a compiled candidate, and why
-      TORCH_LOGS=${TORCH_LOGS-perf_hints} step bench "${BENCH_LIMIT:-240}" $PY -m benchmarks ${names//,/ }
+      started=$SECONDS
+      : > "$OUT/bench.txt"
+      for name in ${names//,/ }; do
+        left=$(( ${BENCH_LIMIT:-240} - (SECONDS - started) ))
+        if [ "$left" -le 0 ]; then
+          echo "bench $name: not run (BENCH_LIMIT reached)" | tee -a "$OUT/summary.txt"
+          continue
+        fi
+        begun=$SECONDS
+        TORCH_LOGS=${TORCH_LOGS-perf_hints} timeout "$left" $PY -m benchmarks "$name" >> "$OUT/bench.txt" 2>&1
+        rc=$?
+        why=""
+        [ $rc -eq 124 ] && why=" (time limit)"
+        echo "bench $name: exit $rc$why after $((SECONDS - begun)) s" | tee -a "$OUT/summary.txt"
+      done
       # the open issues' goals against the results saved now (and earlier): met / missed / not measured
       $PY -m benchmarks.goals cuda > "$OUT/goals.txt" 2>&1
       echo "goals: $(grep -c '| met |' "$OUT/goals.txt") met, $(grep -c '| missed |' "$OUT/goals.txt") missed" \

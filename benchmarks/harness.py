@@ -36,12 +36,13 @@ def compiling(device: torch.device) -> bool:
 
 def first_call(benchmark: str, label: str, candidate: Callable[[], object],
                calls: int | None = None) -> Callable[[], object] | None:
-    """``candidate`` after ``calls`` calls (default: three on CUDA, one elsewhere), which compile it where it is
-    compiled; None, with the failure printed, when one of them fails, so that a candidate that cannot compile drops
-    out alone.  Three on CUDA because ``mode="reduce-overhead"`` runs a step once as it is, records the CUDA graph
-    at the second call and replays it from the third: an operation that cannot be captured (``linalg.solve`` in
-    OPT's Cayley transform on an H100, 2026-12-06) fails at the second, which was inside the timing and took the
-    whole benchmark down with it."""
+    """``candidate`` after ``calls`` calls (default: three where CUDA is available, one elsewhere), which compile
+    it where it is compiled; None, with the failure printed, when one of them fails, so that a candidate that cannot
+    compile drops out alone.  Three with CUDA because ``mode="reduce-overhead"`` runs a step once as it is, records
+    the CUDA graph at the second call and replays it from the third: an operation that cannot be captured
+    (``linalg.solve`` in OPT's Cayley transform on an H100, 2026-12-06) fails at the second, which was inside the
+    timing and took the whole benchmark down with it.  Not yet run on a GPU: whether the CUDA work after a failed
+    capture runs on in the same process is the next GPU run's to see."""
     calls = (3 if torch.cuda.is_available() else 1) if calls is None else calls
     try:
         for _ in range(calls):

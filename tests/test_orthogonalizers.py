@@ -21,6 +21,7 @@ MAPS = {
     "lowdin": orth.lowdin,
     "lowdin_eigh": orth.lowdin_eigh,
     "cayley": lambda u: orth.cayley(orth.skew(u)),
+    "cayley_cholesky": lambda u: orth.cayley_cholesky(orth.skew(u)),
     "matrix_exp": lambda u: orth.exp_map(orth.skew(u)),
 }
 
@@ -224,6 +225,32 @@ def test_cayley_properties():
     # the exponential agrees with the Cayley map to third order for a small A
     small = 1e-3 * a[0]
     assert float((orth.exp_map(small) - orth.cayley(small / 2)).abs().max()) < 1e-8
+
+
+@pytest.mark.parametrize("shape", [(8, 8), (3, 27, 27), (2, 64, 64)])
+def test_cayley_by_cholesky_equals_the_lu_form(shape):
+    """Note [Cayley on a GPU]: (I + A^T A)^-1 (I + A)^2 is the transform of a skew-symmetric A, to rounding in
+    float64, A of norm up to 100; its gradient through A = skew(U) is the LU form's."""
+    for scale in (0.1, 1.0, 100.0):
+        u = (scale * _raw(*shape, seed=3)).requires_grad_()
+        ours, lu = orth.cayley_cholesky(orth.skew(u)), orth.cayley(orth.skew(u))
+        torch.testing.assert_close(ours, lu, rtol=0, atol=1e-10)
+        weights = _raw(*shape, seed=4)
+        grad_ours, = torch.autograd.grad((ours * weights).sum(), u)
+        grad_lu, = torch.autograd.grad((lu * weights).sum(), u)
+        torch.testing.assert_close(grad_ours, grad_lu, rtol=1e-8, atol=1e-10 * float(grad_lu.abs().max()))
+
+
+def test_cayley_by_cholesky_keeps_float32_orthogonal_and_compiles_whole():
+    """In float32 the result is orthogonal to float32's rounding even for ||A|| ~ 1e3 (float64 inside); the map
+    traces as one graph (it replaces the LU solve inside compiled steps off the CPU)."""
+    a = orth.skew(300.0 * _raw(4, 32, 32, dtype=torch.float32, seed=5))
+    r = orth.cayley_cholesky(a)
+    assert r.dtype == torch.float32 and float(orth.orthogonality_error(r)) < 1e-5
+    torch.testing.assert_close(orth.cayley_cholesky(torch.zeros(5, 5)), torch.eye(5))
+    torch._dynamo.reset()
+    compiled = torch.compile(orth.cayley_cholesky, fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(compiled(a), r)
 
 
 def test_cayley_matches_pytorch_parametrization():

@@ -43,8 +43,8 @@ from .._checks import integer, real_number
 from ..geometry import max_abs_scale
 
 __all__ = ["check_square", "gram_schmidt", "householder", "qr_orthogonalize", "qr_lapack", "cholesky_qr", "lowdin",
-           "lowdin_svd", "lowdin_eigh", "skew", "cayley", "solve_invertible", "BATCHED_LU_ROWS", "exp_map",
-           "exp_map_fixed", "MAX_SQUARINGS", "cayley_sgd_step", "orthogonality_error"]
+           "lowdin_svd", "lowdin_eigh", "skew", "cayley", "cayley_cholesky", "solve_invertible", "BATCHED_LU_ROWS",
+           "exp_map", "exp_map_fixed", "MAX_SQUARINGS", "cayley_sgd_step", "orthogonality_error"]
 
 _TINY = 1e-30  # a floor on squared norms: zero vectors give zeros, never NaN
 
@@ -290,10 +290,41 @@ def cayley(a: Tensor) -> Tensor:
     (I - A)^(-1), so this is solve(I - A, I + A).  det = +1: the map reaches SO(m) only, and never a
     rotation with eigenvalue -1.  ``torch.nn.utils.parametrizations.orthogonal`` with
     ``orthogonal_map="cayley"`` computes the same map of A / 2.
+
+    By an LU solve, but under ``torch.compile`` off the CPU by :func:`cayley_cholesky` (Note [Cayley on a GPU]).
     """
     check_square(a, "a")
+    if a.device.type != "cpu" and torch.compiler.is_compiling():
+        return cayley_cholesky(a)
     eye = torch.eye(a.shape[-1], dtype=a.dtype, device=a.device)
     return solve_invertible(eye - a, eye + a)
+
+
+def cayley_cholesky(a: Tensor) -> Tensor:
+    """The Cayley transform of a skew-symmetric ``a`` as (I + A^T A)^(-1) (I + A)^2, by one Cholesky factorisation
+    and two triangular solves in float64, cast back.
+
+    Note [Cayley on a GPU]
+        (I - A)(I + A) = I - A^2, and for a skew-symmetric A, I - A^2 = I + A^T A: symmetric positive definite
+        with every eigenvalue at least 1.  So (I - A)^-1 = (I + A)(I + A^T A)^-1, and the transform, a rational
+        function of A whose factors commute, is (I + A^T A)^-1 (I + A)^2.  Its condition number is that of
+        I - A squared; in float64 that keeps float32's accuracy for ||A|| up to about 1e4.  The reason for it:
+        on an H100 (2026-12-06) the LU solve (``linalg.solve``) of OPT's compiled Cayley step could not be
+        captured into a CUDA graph ("operation not permitted when stream is capturing"), while the Cholesky
+        factorisation and triangular solves of Gram-Schmidt's GPU form (:func:`cholesky_qr`) were captured in
+        the same run.  The two forms agree on skew-symmetric A, so their gradients agree along every
+        skew-symmetric direction, the only ones a parametrisation A = T - T^T reaches.  Eager steps keep the LU
+        solve: autograd through this form makes 90 more operations per CNN-6 step (238 against 148, counted as
+        in ``tests/test_step_cost.py``), launches that a compiled step fuses or replays but an eager one pays.
+        Not yet run on a GPU.
+    """
+    check_square(a, "a")
+    x = a.to(torch.float64)
+    eye = torch.eye(x.shape[-1], dtype=x.dtype, device=x.device)
+    factor = torch.linalg.cholesky_ex(eye + x.mT @ x)[0]  # no check on the host: the matrix is positive definite
+    plus = eye + x
+    half = torch.linalg.solve_triangular(factor, plus @ plus, upper=False)
+    return torch.linalg.solve_triangular(factor.mT, half, upper=True).to(a.dtype)
 
 
 #: solve_invertible on the CPU: matrices of at most this many rows are solved as one batch (Note [batched LU on the
