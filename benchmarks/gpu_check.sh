@@ -21,6 +21,8 @@
 #             (`make gpu-scripts` writes benchmarks/chapters/NAME.py, ignored by git: carry it)
 #             with metrics.json under _build/runs/NAME; SPHEREML_GPU_TINY=1 in the environment
 #             runs the same code at smoke sizes first, to check it   (CHAPTER_LIMIT, 600 s)
+# Data: a GPU box has no Fashion-MNIST; copy its four IDX files to .gpu/data/fashion-mnist/ (ignored by git), carry
+# .gpu and benchmarks/chapters to the box, and export SPHEREML_DATA=$PWD/.gpu/data before this script.
 # Logs go to $OUT (default gpu_out/), one line per part in $OUT/summary.txt; benchmark JSON goes to
 # benchmarks/results/*-cuda.json and is packed with the logs into $OUT/gpu_check.tar.gz.
 set -u
