@@ -10,7 +10,13 @@ benchmarks use this module for:
   nothing, apart), so a test can hold a training step to an operation budget;
 * :func:`no_host_sync` is a context in which any operation that needs a tensor's values on the host raises
   :class:`HostSyncError`, so a test can prove that a step never synchronises.  On CUDA, pair it with
-  ``torch.cuda.set_sync_debug_mode("error")``, which catches the rest (device-to-host copies).
+  ``torch.cuda.set_sync_debug_mode("error")``, which catches the rest (device-to-host copies);
+* :func:`compiled_ops` lists the operations of the graphs that ``torch.compile`` makes of a step, so a test can
+  prove that none is one a CUDA graph cannot capture (:data:`CAPTURE_UNSAFE`): what ``fit(compile=
+  "reduce-overhead")`` needs;
+* :func:`on_accelerator` is the one question the library asks of a device where it computes differently on a
+  GPU (blocks shared by fan-ins, a Cholesky factorisation for a QR); the tests that count or check a GPU's
+  operations on the CPU make it say True.
 """
 
 from __future__ import annotations
@@ -23,7 +29,8 @@ from typing import Callable, Iterator
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["OpCount", "count_ops", "HostSyncError", "no_host_sync", "checking_host_reads", "HOST_READS"]
+__all__ = ["OpCount", "count_ops", "HostSyncError", "no_host_sync", "checking_host_reads", "HOST_READS",
+           "CAPTURE_UNSAFE", "compiled_ops", "on_accelerator"]
 
 # Operations whose result the host can only know by reading device memory (or whose output shape
 # depends on tensor values, which is the same thing for the host).
@@ -31,6 +38,12 @@ HOST_READS = frozenset({
     "aten::_local_scalar_dense",  # .item(), bool(t), int(t), float(t)
     "aten::nonzero", "aten::masked_select", "aten::unique_dim", "aten::_unique", "aten::_unique2",
     "aten::unique_consecutive", "aten::equal", "aten::is_nonzero", "aten::allclose",
+})
+
+# Operations that a CUDA graph cannot capture (Note [what a CUDA graph cannot capture]).
+CAPTURE_UNSAFE = HOST_READS | frozenset({
+    "aten::_linalg_solve_ex", "aten::linalg_lu_factor_ex", "aten::linalg_lu", "aten::linalg_lu_solve",
+    "aten::_linalg_eigh",
 })
 
 
@@ -139,3 +152,40 @@ def no_host_sync() -> Iterator[None]:
         _guards -= 1
         for name, method in patched.items():
             setattr(torch.Tensor, name, method)
+
+
+def on_accelerator(device: torch.device) -> bool:
+    """Whether ``device`` takes the library's GPU forms (anything but the CPU).  The tests that count or check a
+    GPU's operations on the CPU make a module's ``on_accelerator`` say True."""
+    return torch.device(device).type != "cpu"
+
+
+def compiled_ops(fn: Callable[[], torch.Tensor]) -> set[str]:
+    """The aten operations of the forward and backward graphs that ``torch.compile(fn, fullgraph=True)`` makes, by
+    name (``aten::mm``): ``fn()`` is compiled, called once and its result's sum differentiated.
+
+    Note [what a CUDA graph cannot capture]
+        ``fit(compile="reduce-overhead")`` records a compiled step into a CUDA graph, which fails on any operation
+        that synchronises the host or launches work the capture cannot see (:data:`CAPTURE_UNSAFE`): the host reads
+        of :data:`HOST_READS`; the LU factorisation behind ``linalg.solve`` (on an H100 on 2026-12-06 OPT's compiled
+        Cayley step failed with "operation not permitted when stream is capturing" at ``_linalg_solve_ex``; its
+        ``lu_factor`` and ``lu_solve`` run the same factorisation); and ``linalg.eigh``, which checks its
+        convergence on the host (a synchronisation in ``tests/test_step_cost.py``'s CUDA test).  Cholesky
+        factorisations and triangular solves were captured in the same run.  Operations found safe on a GPU
+        since, or unsafe, belong in that list; the CPU tests check every compiled path against it.
+    """
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.aot_autograd import make_boxed_func
+
+    seen: set[str] = set()
+
+    def record(graph: torch.fx.GraphModule, example_inputs):
+        seen.update(node.target.name() for node in graph.graph.nodes
+                    if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload))
+        return make_boxed_func(graph.forward)
+
+    torch._dynamo.reset()
+    out = torch.compile(fn, fullgraph=True, backend=aot_autograd(fw_compiler=record, bw_compiler=record))()
+    if out.requires_grad:
+        out.sum().backward()
+    return seen

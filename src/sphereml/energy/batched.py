@@ -43,6 +43,7 @@ import torch
 from torch import Tensor
 
 from .._checks import one_of, real_number
+from ..launches import on_accelerator  # Note [blocks by device]; tests make it say True
 from .gram import gram_energies
 from .kernels import METRICS
 from .packing import DeviceCache, WeightPacking, column_groups
@@ -259,12 +260,6 @@ class _SymmetricGram(torch.autograd.Function):
     def backward(ctx, grad: Tensor) -> Tensor:
         (points,) = ctx.saved_tensors
         return torch.baddbmm(points, grad, points, beta=0.0, alpha=2.0)  # beta = 0: the first argument is unread
-
-
-def on_accelerator(device: torch.device) -> bool:
-    """Whether ``device`` takes an accelerator's blocks (Note [blocks by device]); the tests that count a GPU's
-    operations on the CPU make this say True."""
-    return torch.device(device).type != "cpu"
 
 
 class LayerEnergies:
