@@ -21,6 +21,10 @@
 #             (`make gpu-scripts` writes benchmarks/chapters/NAME.py, ignored by git: carry it)
 #             with metrics.json under _build/runs/NAME; SPHEREML_GPU_TINY=1 in the environment
 #             runs the same code at smoke sizes first, to check it   (CHAPTER_LIMIT, 600 s)
+#             Each finished training is saved under $SPHEREML_RESUME (default .gpu/resume; sphereml.book.resume)
+#             and restored when the chapter runs again, so a chapter stopped by its limit goes on where it stopped,
+#             on this box or, carried back in .gpu/resume, on the next: each chapter's saved trainings come back as
+#             $OUT/resume-NAME.tar when they fit in 16 MiB (unpack it into .gpu/resume here).
 # Data: a GPU box has no Fashion-MNIST; copy its four IDX files to .gpu/data/fashion-mnist/ (ignored by git), carry
 # .gpu and benchmarks/chapters to the box, and export SPHEREML_DATA=$PWD/.gpu/data before this script.
 # Logs go to $OUT (default gpu_out/), one line per part in $OUT/summary.txt; benchmark JSON goes to
@@ -117,6 +121,7 @@ for part in "${PARTS[@]}"; do
       chapters=${part#chapter:}
       [ "$part" != "chapter:$chapters" ] \
         && chapters=$(ls benchmarks/chapters/*.py 2>/dev/null | xargs -n1 basename | sed 's/\.py$//')
+      export SPHEREML_RESUME=${SPHEREML_RESUME:-$PWD/.gpu/resume}
       for name in $chapters; do
         if [ "$part" = chapters-at-once ]; then  # all at once, one thread each: their metrics.json list each
           # training's seconds as it ends, so a chapter stopped by its limit still measures its throughput
@@ -127,9 +132,20 @@ for part in "${PARTS[@]}"; do
         fi
       done
       wait
+      for name in $chapters; do  # the saved trainings, to carry to the next box (at most 16 MiB a file comes back)
+        [ -d "$SPHEREML_RESUME/$name" ] || continue
+        size=$(du -sm "$SPHEREML_RESUME/$name" | cut -f1)
+        if [ "$size" -lt 16 ]; then
+          tar cf "$OUT/resume-$name.tar" -C "$SPHEREML_RESUME" "$name"
+          echo "resume-$name.tar: $(ls "$SPHEREML_RESUME/$name" | wc -l) trainings, $size MiB" | tee -a "$OUT/summary.txt"
+        else
+          echo "resume-$name: $size MiB, too large to come back" | tee -a "$OUT/summary.txt"
+        fi
+      done
       ;;
     *) echo "unknown part $part" | tee -a "$OUT/summary.txt" ;;
   esac
 done
 tar czf "$OUT/gpu_check.tar.gz" "$OUT"/*.txt benchmarks/results/*-cuda.json _build/runs/*/metrics.json 2>/dev/null
+find "$OUT" -maxdepth 1 -name '*.txt' ! -name summary.txt -delete  # packed: at most 8 files come back
 cat "$OUT/summary.txt"

@@ -51,3 +51,11 @@ class HoldNorms:
             weight = layer.weight
             scale = layer.held_length / self.lengths(layer).clamp_min(_FLOOR)
             weight.mul_(scale.view(-1, *[1] * (weight.dim() - 1)))
+
+    def state_dict(self) -> dict:
+        """Nothing: the callback keeps no state of its own between steps (a resumed chapter run restores the weights
+        it acts on)."""
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass

@@ -120,6 +120,14 @@ class BiasCorrectedAverage:
     def __call__(self, state) -> None:
         self._set_weight(self.modules, state.step)
 
+    def state_dict(self) -> dict:
+        """The averaging weight each module was left with (a resumed chapter run restores it)."""
+        return {"momentum": [m.momentum for m in self.modules]}
+
+    def load_state_dict(self, state: dict) -> None:
+        for m, momentum in zip(self.modules, state["momentum"]):
+            m.momentum = momentum
+
     def _set_weight(self, modules: list[nn.Module], step: int) -> None:
         weight = (1 - self.decay) / (1 - self.decay ** (step + 1))
         for m in modules:

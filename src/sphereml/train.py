@@ -131,6 +131,13 @@ class Tracker:
         if self.due(state.step):
             self.points.append((state.step, self.fn(state)))
 
+    def state_dict(self) -> dict:
+        """The curve recorded so far (a resumed chapter run restores it: :mod:`sphereml.book.resume`)."""
+        return {"points": list(self.points)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.points = [tuple(point) for point in state["points"]]
+
     @property
     def steps(self) -> list[int]:
         return [p[0] for p in self.points]

@@ -45,6 +45,7 @@ from ..multiseed import batches_seeds, can_train_together, fit_seeds
 from ..recalibration import has_running_stats, recalibrate, stats_fresh
 from ..train import collect_outputs, evaluate, fit, resolve_device, seed_everything
 from .report import ClaimCard, VerdictTable, show
+from .resume import TrainingCache
 from .runs import (FULL_SCALE, PROFILES, REPOSITORY, default_output_dir, is_tiny, published_sources, repo_root,
                    resolve_output_dir, resolve_profile)
 from .verdicts import NOT_TESTABLE, verdict_name
@@ -141,6 +142,10 @@ class Chapter:
         }
         self.figures: list[str] = []
         self._trained_on = weakref.WeakKeyDictionary()  # model -> the data ch.fit trained it on
+        # SPHEREML_RESUME=<folder>: finished trainings saved there, and restored by a rerun (sphereml.book.resume)
+        self._cache = TrainingCache.from_env(name, {
+            "chapter": name, "profile": self.profile, "tiny": self.tiny, "device": self.device.type,
+            "seed": self.seed, "params": self.metrics["params"], "seeds_together": self.seeds_together})
         viz.set_style()
         self.write()
 
@@ -214,12 +219,36 @@ class Chapter:
         metrics list each training (``fits``: its :meth:`recipe` section or None, epochs, images, seconds)."""
         kwargs = {"device": self.device, "seed": self.seed, "progress": False, **kwargs}
         self._trained_on[model] = train_data
-        history = fit(model, train_data, **kwargs)
-        seconds = sum(epoch.get("seconds", 0.0) for epoch in history.epochs)
-        self.metrics["fits"].append({"recipe": recipe, "epochs": kwargs["epochs"], "n_train": len(train_data),
-                                     "seconds": round(seconds, 3)})
+
+        def train():
+            history = fit(model, train_data, **kwargs)
+            seconds = sum(epoch.get("seconds", 0.0) for epoch in history.epochs)
+            self.metrics["fits"].append({"recipe": recipe, "epochs": kwargs["epochs"], "n_train": len(train_data),
+                                         "seconds": round(seconds, 3)})
+            return [history]
+
+        return self._trained([model], train_data, [kwargs["seed"]], [list(kwargs.get("callbacks", ()))],
+                             [kwargs.get("regularizer")], {"recipe": recipe, **kwargs}, train)[0]
+
+    def _trained(self, models, train_data, seeds, callbacks, regularizers, settings, train) -> list:
+        """``train()``'s histories, or, in a resumed run (``SPHEREML_RESUME``), those of the same training saved by
+        an earlier run, its weights, callbacks, regularisers and random state restored (:mod:`.resume`)."""
+        if self._cache is None:
+            histories = train()
+            self.write()
+            return histories
+        path, key = self._cache.next_key(models, train_data, seeds, settings)
+        restored = self._cache.restore(path, key, models, callbacks, regularizers, self.device)
+        if restored is not None:
+            histories, fits = restored
+            self.metrics["fits"].extend(fits)
+            self.metrics["restored"] = self._cache.summary()
+        else:
+            known = len(self.metrics["fits"])
+            histories = train()
+            self._cache.save(path, key, models, histories, self.metrics["fits"][known:], callbacks, regularizers)
         self.write()
-        return history
+        return histories
 
     @staticmethod
     def seeded(make, seeds) -> list:
@@ -278,13 +307,20 @@ class Chapter:
         self._trained_on.update({model: train_data for model in models})  # as fit: trackers' evaluations recalibrate
         settings = {**settings, "optimizer": optimizer, "regularizer": regularizer}
         settings = {key: value for key, value in settings.items() if value is not None}
-        histories = fit_seeds(models, train_data, seeds=seeds, device=self.device, callbacks=callbacks, **settings)
-        for history in histories:
-            seconds = sum(epoch["seconds"] for epoch in history.epochs) / len(models)
-            self.metrics["fits"].append({"recipe": recipe, "epochs": settings["epochs"], "n_train": len(train_data),
-                                         "seconds": round(seconds, 3), "together": len(models)})
-        self.write()
-        return histories
+
+        def train():
+            histories = fit_seeds(models, train_data, seeds=seeds, device=self.device, callbacks=callbacks,
+                                  **settings)
+            for history in histories:
+                seconds = sum(epoch["seconds"] for epoch in history.epochs) / len(models)
+                self.metrics["fits"].append({"recipe": recipe, "epochs": settings["epochs"],
+                                             "n_train": len(train_data), "seconds": round(seconds, 3),
+                                             "together": len(models)})
+            return histories
+
+        regularizers = regularizer if isinstance(regularizer, list) else [regularizer]
+        return self._trained(models, train_data, seeds, callbacks, regularizers,
+                             {"recipe": recipe, "callbacks": callbacks, **settings}, train)
 
     def recalibrate_if_stale(self, model) -> None:
         """The book's one rule for networks with running statistics (BatchNorm): before an evaluation, re-estimate

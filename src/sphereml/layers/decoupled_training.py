@@ -91,6 +91,14 @@ class WeightProjection:
         if state.step % self.every == 0:
             project_weights(state.model, self.scale)
 
+    def state_dict(self) -> dict:
+        """Nothing: the callback keeps no state of its own between steps (a resumed chapter run restores the weights
+        it acts on)."""
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
     def __eq__(self, other) -> bool:
         return type(other) is WeightProjection and (self.every, self.scale) == (other.every, other.scale)
 

@@ -171,6 +171,16 @@ class Resampler:
                 state.optimizer.state.pop(rotation_module(layer).raw, None)
             self.episodes += 1
 
+    def state_dict(self) -> dict:
+        """The episodes so far and the generator's state (a resumed chapter run restores them)."""
+        return {"episodes": self.episodes,
+                "generator": self.generator.get_state() if self.generator is not None else None}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.episodes = state["episodes"]
+        if self.generator is not None:
+            self.generator.set_state(state["generator"])
+
 
 def refine_neurons(v: Tensor, steps: int = 5000, lr: float = 0.01, s: float = 2.0, half_space: bool = True) -> Tensor:
     """V with its (half-space) energy lowered by ``steps`` of projected gradient descent, norms kept (§7.3.7).
