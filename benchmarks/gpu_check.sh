@@ -23,14 +23,17 @@
 #             runs the same code at smoke sizes first, to check it   (CHAPTER_LIMIT, 600 s)
 #             Each finished training is saved under $SPHEREML_RESUME (default .gpu/resume; sphereml.book.resume)
 #             and restored when the chapter runs again, so a chapter stopped by its limit goes on where it stopped,
-#             on this box or, carried back in .gpu/resume, on the next: each chapter's saved trainings come back as
-#             $OUT/resume-NAME.tar when they fit in 16 MiB (unpack it into .gpu/resume here).
+#             on this box or, carried back in .gpu/resume, on the next: the saved trainings of the chapters run
+#             come back as $OUT/resume.tar, as many chapters as fit in RESUME_MIB (15; unpack it into .gpu/resume).
+# TIDY_OUT=1 deletes the logs from $OUT once packed in gpu_check.tar.gz, for a box that sends back at most 8 files.
 # Data: a GPU box has no Fashion-MNIST; copy its four IDX files to .gpu/data/fashion-mnist/ (ignored by git), carry
 # .gpu and benchmarks/chapters to the box, and export SPHEREML_DATA=$PWD/.gpu/data before this script.
 # Logs go to $OUT (default gpu_out/), one line per part in $OUT/summary.txt; benchmark JSON goes to
 # benchmarks/results/*-cuda.json and is packed with the logs into $OUT/gpu_check.tar.gz.
 set -u
 OUT=${OUT:-gpu_out}
+resume=${SPHEREML_RESUME:-$PWD/.gpu/resume}  # the chapters' saved trainings
+ran=()  # the chapters run
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)  # absolute: the tests write into it from their own working directories
 export PYTHONPATH=${PYTHONPATH:-src}:. PYTHONUNBUFFERED=1 SPHEREML_NO_DOWNLOAD=1
@@ -121,31 +124,37 @@ for part in "${PARTS[@]}"; do
       chapters=${part#chapter:}
       [ "$part" != "chapter:$chapters" ] \
         && chapters=$(ls benchmarks/chapters/*.py 2>/dev/null | xargs -n1 basename | sed 's/\.py$//')
-      export SPHEREML_RESUME=${SPHEREML_RESUME:-$PWD/.gpu/resume}
+      ran+=($chapters)
       for name in $chapters; do
         if [ "$part" = chapters-at-once ]; then  # all at once, one thread each: their metrics.json list each
           # training's seconds as it ends, so a chapter stopped by its limit still measures its throughput
-          OMP_NUM_THREADS=1 SPHEREML_PROFILE=gpu step "chapter-$name" "${CHAPTER_LIMIT:-600}" \
-            $PY "benchmarks/chapters/$name.py" &
+          OMP_NUM_THREADS=1 SPHEREML_PROFILE=gpu SPHEREML_RESUME=$resume \
+            step "chapter-$name" "${CHAPTER_LIMIT:-600}" $PY "benchmarks/chapters/$name.py" &
         else
-          SPHEREML_PROFILE=gpu step "chapter-$name" "${CHAPTER_LIMIT:-600}" $PY "benchmarks/chapters/$name.py"
+          SPHEREML_PROFILE=gpu SPHEREML_RESUME=$resume step "chapter-$name" "${CHAPTER_LIMIT:-600}" \
+            $PY "benchmarks/chapters/$name.py"
         fi
       done
       wait
-      for name in $chapters; do  # the saved trainings, to carry to the next box (at most 16 MiB a file comes back)
-        [ -d "$SPHEREML_RESUME/$name" ] || continue
-        size=$(du -sm "$SPHEREML_RESUME/$name" | cut -f1)
-        if [ "$size" -lt 16 ]; then
-          tar cf "$OUT/resume-$name.tar" -C "$SPHEREML_RESUME" "$name"
-          echo "resume-$name.tar: $(ls "$SPHEREML_RESUME/$name" | wc -l) trainings, $size MiB" | tee -a "$OUT/summary.txt"
-        else
-          echo "resume-$name: $size MiB, too large to come back" | tee -a "$OUT/summary.txt"
-        fi
-      done
       ;;
     *) echo "unknown part $part" | tee -a "$OUT/summary.txt" ;;
   esac
 done
+packed=() budget=$(( ${RESUME_MIB:-15} * 1024 ))  # the saved trainings to carry on: one file, <= 16 MiB
+for name in $(printf "%s\n" "${ran[@]}" | sort -u); do
+  [ -d "$resume/$name" ] || continue
+  count=$(find "$resume/$name" -name '[0-9]*.pt' | wc -l)  # not a save cut short (.NNNN.pt.PID.tmp)
+  kib=$(find "$resume/$name" -name '[0-9]*.pt' -printf '%s\n' | awk '{s += $1} END {print int(s / 1024)}')
+  if [ "$kib" -le "$budget" ]; then
+    packed+=("$name") budget=$((budget - kib))
+    echo "resume $name: $count trainings, $((kib / 1024)) MiB, in resume.tar" | tee -a "$OUT/summary.txt"
+  else
+    echo "resume $name: $count trainings, $((kib / 1024)) MiB, too large to come back" | tee -a "$OUT/summary.txt"
+  fi
+done
+[ ${#packed[@]} -gt 0 ] && tar cf "$OUT/resume.tar" -C "$resume" --exclude='.*' "${packed[@]}"
 tar czf "$OUT/gpu_check.tar.gz" "$OUT"/*.txt benchmarks/results/*-cuda.json _build/runs/*/metrics.json 2>/dev/null
-find "$OUT" -maxdepth 1 -name '*.txt' ! -name summary.txt -delete  # packed: at most 8 files come back
+if [ "${TIDY_OUT:-0}" = 1 ] && tar tzf "$OUT/gpu_check.tar.gz" > /dev/null 2>&1; then
+  find "$OUT" -maxdepth 1 -name '*.txt' ! -name summary.txt -delete  # they are in the archive
+fi
 cat "$OUT/summary.txt"

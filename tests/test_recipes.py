@@ -98,6 +98,13 @@ def test_paper_estimate_scales_only_the_recipe_trainings():
     assert est["device_name"] == "NVIDIA H100"
 
 
+def test_paper_estimate_of_a_resumed_run_counts_the_restored_trainings():
+    """A resumed run's clock leaves out the trainings it restored (sphereml.book.resume); their time is added."""
+    run = gpu_run()
+    run["restored"] = {"trainings": 2, "seconds": 50.0, "trained_on": ["NVIDIA H100, torch 2.11"]}
+    assert paper_estimate(run)["measured_s"] == 350.0
+
+
 def test_paper_estimate_counts_the_runs_a_source_averages():
     fits = [{"recipe": "cifar", "epochs": 15, "n_train": CIFAR_TRAIN, "seconds": 60.0}]
     (row,) = paper_estimate(gpu_run(chapter="09_opt", fits=fits))["rows"]

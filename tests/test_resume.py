@@ -1,6 +1,7 @@
 """Resumable chapter runs (``SPHEREML_RESUME``, :mod:`sphereml.book.resume`): a rerun restores each saved training
 and ends where the uninterrupted run ends, to the bit."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -8,6 +9,7 @@ import sys
 from functools import partial
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from torch.utils.data import TensorDataset
@@ -72,19 +74,20 @@ def _assert_same_results(a, b):
 @pytest.mark.parametrize("together", [False, True])
 def test_a_rerun_restores_every_training_and_ends_as_the_first(tmp_path, monkeypatch, together):
     first = _run(tmp_path, monkeypatch, together)
-    saved = sorted(p.name for p in (tmp_path / "cache" / "99_resume").iterdir())
+    saved = sorted(p.name for p in (tmp_path / "cache" / "99_resume" / "smoke").iterdir())
     assert saved == ["0001.pt", "0002.pt"] + ([] if together else ["0003.pt"])  # the seeds: one file, or one each
     assert "restored" not in first["metrics"]
     second = _run(tmp_path, monkeypatch, together)
     _assert_same_results(first, second)
     assert second["metrics"]["restored"]["trainings"] == 3  # one network, then two seeds
+    assert second["metrics"]["restored"]["trained_on"] == [f"cpu, torch {torch.__version__}"]
     assert all(fit["restored"] for fit in second["metrics"]["fits"])
     assert [f["seconds"] for f in second["metrics"]["fits"]] == [f["seconds"] for f in first["metrics"]["fits"]]
 
 
 def test_a_run_stopped_after_its_first_training_goes_on_to_the_same_end(tmp_path, monkeypatch):
     first = _run(tmp_path, monkeypatch, together=True)
-    (tmp_path / "cache" / "99_resume" / "0002.pt").unlink()  # as if stopped while training the seeds
+    (tmp_path / "cache" / "99_resume" / "smoke" / "0002.pt").unlink()  # as if stopped while training the seeds
     second = _run(tmp_path, monkeypatch, together=True)
     _assert_same_results(first, second)
     assert second["metrics"]["restored"]["trainings"] == 1
@@ -123,11 +126,42 @@ def test_describe_tells_settings_apart():
     def make(s):
         return lambda net: R.MHE(net, s=s)
 
+    @dataclasses.dataclass
+    class Options:
+        num_proj: int
+
     pairs = [(partial(R.MHE, s=2.0), partial(R.MHE, s=1.0)), (make(2.0), make(1.0)),
-             (torch.zeros(3), torch.ones(3)), (Tracker(len, 2), Tracker(len, 3))]
+             (lambda net: R.MHE(net, s=2.0), lambda net: R.MHE(net, s=1.0)),  # a literal in the body
+             (torch.zeros(3), torch.ones(3)), (Tracker(len, 2), Tracker(len, 3)), (Options(1), Options(2)),
+             (np.float32(0.1), np.float32(0.2)), (_data(seed=0), _data(seed=1)), ([Tracker(len, 2)], [Tracker(len, 3)])]
     for a, b in pairs:
         assert resume.describe(a) != resume.describe(b)
     assert resume.describe(partial(R.MHE, s=2.0)) == resume.describe(partial(R.MHE, s=2.0))
+
+
+@pytest.mark.subprocess
+def test_the_key_is_the_same_in_another_process():
+    """No memory address, hash seed or clock in a description: a set of strings, a function with a set in its body
+    and a regulariser describe alike in two processes (an unstable key would silently restore nothing)."""
+    code = ("import torch, json; from sphereml import models, regularizers as R; from sphereml.book import resume\n"
+            "torch.manual_seed(0)\n"
+            "net = models.Classifier(models.plain_cnn(3, widths=(4, 4, 4), in_channels=1, image_size=16, "
+            "feature_dim=8), 4)\n"
+            "f = lambda x: x in {'alpha', 'beta', 'gamma'}\n"
+            "print(json.dumps(resume.describe({'names': {'alpha', 'beta', 'gamma'}, 'f': f, 'reg': R.MHE(net)}), "
+            "sort_keys=True))")
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    outs = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                           env={**env, "PYTHONHASHSEED": seed}).stdout for seed in ("1", "2")]
+    assert outs[0] == outs[1] and "alpha" in outs[0]
+
+
+def test_a_tiny_run_keeps_its_trainings_apart_from_the_full_run(tmp_path, monkeypatch):
+    monkeypatch.setenv(resume.ENV, str(tmp_path / "cache"))
+    monkeypatch.setenv("SPHEREML_GPU_TINY", "1")
+    ch = Chapter("99_resume", "gpu", "cpu", 0, str(tmp_path / "out"))
+    ch.fit(_net(0), _data(), epochs=1, batch_size=16)
+    assert [p.name for p in (tmp_path / "cache" / "99_resume").iterdir()] == ["gpu-tiny"]
 
 
 CHAPTER_RUNS = {  # chapter -> its profile: the smoke run, or the gpu profile's code at tiny sizes (seeds together)
@@ -164,12 +198,15 @@ def test_a_chapter_rerun_with_its_trainings_restored_shows_the_same_results(tmp_
     assert _clockless(first) == _clockless(second)  # every claim, number and training record
 
 
-CLOCKED = ("seconds", "step_ratios")  # keys of what a clock measured: times, and chapters 7's and 9's step timings
+CLOCKED = ("seconds", "time", "timing", "step_ratios")  # in the keys of what a clock measured
 
 
 def _clockless(value):
-    """``value`` without what a clock measured (:data:`CLOCKED`) or what marks a training restored."""
+    """``value`` without what a clock measured (keys with :data:`CLOCKED`, claims about speed) or what marks a
+    training restored."""
     if isinstance(value, dict):
+        if value.get("kind") == "efficiency":
+            return None
         return {k: _clockless(v) for k, v in value.items()
                 if not any(c in k for c in CLOCKED) and k != "restored"}
     if isinstance(value, list):

@@ -361,12 +361,11 @@ def test_the_capture_check_finds_the_lu_solve():
     assert "aten::_linalg_solve_ex" in unsafe
 
 
-_LOWDIN_EIGH = pytest.mark.xfail(strict=True, reason="Löwdin's eigh checks its convergence on the host: its compiled "
-                                                      "step trains with compile=True, not 'reduce-overhead'")
+# Löwdin's eigh checks its convergence on the host: its compiled step trains with compile=True, not "reduce-overhead"
+CAPTURE_EXPECTED = {"lowdin": {"aten::_linalg_eigh"}}
 
 
-@pytest.mark.parametrize("method", ["gs", "householder", "cayley", "matrix_exp", "or",
-                                    pytest.param("lowdin", marks=_LOWDIN_EIGH)])
+@pytest.mark.parametrize("method", ["gs", "householder", "cayley", "matrix_exp", "or", "lowdin"])
 def test_compiled_opt_layer_on_a_gpu_can_be_captured(method, opt_as_on_a_gpu):
     """The GPU forms of OPT's maps (Cholesky for Gram-Schmidt and Householder, and for Cayley under compile), as a
     compiled step takes them, forward and backward."""
@@ -374,7 +373,25 @@ def test_compiled_opt_layer_on_a_gpu_can_be_captured(method, opt_as_on_a_gpu):
     layer = torch.nn.Conv2d(4, 6, 3)
     opt.orthogonal_overparameterize(layer, method)
     x = torch.randn(2, 4, 8, 8)
-    assert not compiled_ops(lambda: layer(x).square().sum()) & CAPTURE_UNSAFE
+    unsafe = compiled_ops(lambda: layer(x).square().sum()) & CAPTURE_UNSAFE
+    assert unsafe == CAPTURE_EXPECTED.get(method, set())
+
+
+@pytest.mark.parametrize("method, subset", [("gs", None), ("cayley", None), ("or", None), ("gs", 4)])
+def test_compiled_opt_network_step_on_a_gpu_can_be_captured(method, subset, opt_as_on_a_gpu):
+    """A whole OPT network's loss as ``fit(compile=...)`` compiles it: the rotations of its layers evaluated
+    together (group_rotations), S-OPT's rotation of a subset, and OR's penalty beside the loss."""
+    torch.manual_seed(0)
+    net = models.Classifier(models.opt_cnn(6, width=8), 10)
+    opt.overparameterize_model(net, method, **({"subset": subset} if subset else {}))
+    penalty = opt.OrthogonalRelaxation(net) if method == "or" else None
+    x, y = torch.randn(2, 3, 32, 32), torch.tensor([1, 2])
+
+    def loss():
+        value = torch.nn.functional.cross_entropy(net(x), y)
+        return value + penalty() if penalty is not None else value
+
+    assert not compiled_ops(loss) & CAPTURE_UNSAFE
 
 
 @pytest.mark.parametrize("name", list(COMPILED))

@@ -12,11 +12,11 @@ benchmarks use this module for:
   :class:`HostSyncError`, so a test can prove that a step never synchronises.  On CUDA, pair it with
   ``torch.cuda.set_sync_debug_mode("error")``, which catches the rest (device-to-host copies);
 * :func:`compiled_ops` lists the operations of the graphs that ``torch.compile`` makes of a step, so a test can
-  prove that none is one a CUDA graph cannot capture (:data:`CAPTURE_UNSAFE`): what ``fit(compile=
-  "reduce-overhead")`` needs;
-* :func:`on_accelerator` is the one question the library asks of a device where it computes differently on a
-  GPU (blocks shared by fan-ins, a Cholesky factorisation for a QR); the tests that count or check a GPU's
-  operations on the CPU make it say True.
+  catch those of :data:`CAPTURE_UNSAFE`, which a CUDA graph (``fit(compile="reduce-overhead")``) cannot capture;
+* :func:`on_accelerator` is what the orthogonalisers and the batched energy's packing ask of a device where they
+  compute differently on a GPU (a Cholesky factorisation for a QR, blocks shared by fan-ins); the tests that
+  count or check a GPU's operations on the CPU make it say True.  The energy's choice of backend for one point set
+  (``hyperspherical_energy``'s ``"auto"``) still asks ``is_cuda`` and is tested apart.
 """
 
 from __future__ import annotations
@@ -162,7 +162,9 @@ def on_accelerator(device: torch.device) -> bool:
 
 def compiled_ops(fn: Callable[[], torch.Tensor]) -> set[str]:
     """The aten operations of the forward and backward graphs that ``torch.compile(fn, fullgraph=True)`` makes, by
-    name (``aten::mm``): ``fn()`` is compiled, called once and its result's sum differentiated.
+    name (``aten::mm``): ``fn()`` is compiled, called once and its result's sum differentiated.  The graphs are
+    AOTAutograd's, before inductor lowers them; the call resets dynamo's caches for the whole process first.
+    Raises RuntimeError when no forward graph (or, for a result that needs a gradient, no backward graph) was made.
 
     Note [what a CUDA graph cannot capture]
         ``fit(compile="reduce-overhead")`` records a compiled step into a CUDA graph, which fails on any operation
@@ -170,22 +172,30 @@ def compiled_ops(fn: Callable[[], torch.Tensor]) -> set[str]:
         of :data:`HOST_READS`; the LU factorisation behind ``linalg.solve`` (on an H100 on 2026-12-06 OPT's compiled
         Cayley step failed with "operation not permitted when stream is capturing" at ``_linalg_solve_ex``; its
         ``lu_factor`` and ``lu_solve`` run the same factorisation); and ``linalg.eigh``, which checks its
-        convergence on the host (a synchronisation in ``tests/test_step_cost.py``'s CUDA test).  Cholesky
-        factorisations and triangular solves were captured in the same run.  Operations found safe on a GPU
-        since, or unsafe, belong in that list; the CPU tests check every compiled path against it.
+        convergence on the host (a synchronisation in ``tests/test_step_cost.py``'s CUDA test).  That the Cholesky
+        factorisations and triangular solves of the same run were captured is inferred from the order of its
+        steps, not seen.  The list is made by hand: operations found unsafe on a GPU belong in it, and the CPU
+        tests check the compiled paths they cover against it.
     """
     from torch._dynamo.backends.common import aot_autograd
     from torch._functorch.aot_autograd import make_boxed_func
 
     seen: set[str] = set()
+    graphs = []
 
-    def record(graph: torch.fx.GraphModule, example_inputs):
-        seen.update(node.target.name() for node in graph.graph.nodes
-                    if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload))
-        return make_boxed_func(graph.forward)
+    def recorder(kind):
+        def record(graph: torch.fx.GraphModule, example_inputs):
+            graphs.append(kind)
+            seen.update(node.target.name() for node in graph.graph.nodes
+                        if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload))
+            return make_boxed_func(graph.forward)
+        return record
 
     torch._dynamo.reset()
-    out = torch.compile(fn, fullgraph=True, backend=aot_autograd(fw_compiler=record, bw_compiler=record))()
+    backend = aot_autograd(fw_compiler=recorder("forward"), bw_compiler=recorder("backward"))
+    out = torch.compile(fn, fullgraph=True, backend=backend)()
     if out.requires_grad:
         out.sum().backward()
+    if "forward" not in graphs or out.requires_grad and "backward" not in graphs:
+        raise RuntimeError(f"compiled_ops saw the graphs {graphs}: nothing checked")
     return seen

@@ -260,9 +260,8 @@ def fit(model: nn.Module, train_data: Dataset, *, epochs: int, batch_size: int =
         checkpoint (path, optional): save after every epoch and resume from it when present.
         progress (bool): show a tqdm progress bar (on stderr). Default: True.
         compile (bool or str): ``torch.compile`` each step's loss and penalty: ``True``, or a mode such as
-            ``"reduce-overhead"`` (CUDA graphs: not for a step with an operation a graph cannot capture,
-            :data:`~sphereml.launches.CAPTURE_UNSAFE`, such as OPT's Löwdin map on a GPU, which takes ``True``).
-            A regulariser's ``before_step`` runs eagerly before it.
+            ``"reduce-overhead"`` (CUDA graphs; not for OPT's Löwdin map on a GPU, :data:`~sphereml.launches.
+            CAPTURE_UNSAFE`).  A regulariser's ``before_step`` runs eagerly before it.
             The first steps pay the compilation: worth it for long GPU runs. Default: False.
 
     Returns:

@@ -5,6 +5,7 @@
 * :mod:`~sphereml.book.viz` — the book's plotting style and helpers.
 * :mod:`~sphereml.book.chapter` — the chapter runtime: profiles, figures, metrics, claim records.
 * :mod:`~sphereml.book.runs` — where and at what scale a chapter runs: profiles, the repository, output folders.
+* :mod:`~sphereml.book.resume` — resumable chapter runs: finished trainings saved, and restored by a rerun.
 * :mod:`~sphereml.book.recipes` — the sources' own training set-ups, which the ``paper`` profile trains with.
 * :mod:`~sphereml.book.report` — claims as a reader sees them: verdict badges, claim cards, verdict tables.
 * :mod:`~sphereml.book.ledger` — the claims ledger: every chapter's claim records gathered into one page.

@@ -145,9 +145,14 @@ class Chapter:
         # SPHEREML_RESUME=<folder>: finished trainings saved there, and restored by a rerun (sphereml.book.resume)
         self._cache = TrainingCache.from_env(name, {
             "chapter": name, "profile": self.profile, "tiny": self.tiny, "device": self.device.type,
-            "seed": self.seed, "params": self.metrics["params"], "seeds_together": self.seeds_together})
+            "seed": self.seed, "params": self.metrics["params"], "seeds_together": self.seeds_together},
+            {"device_name": self.metrics["device_name"], "torch": str(torch.__version__)})
         viz.set_style()
         self.write()
+
+    def resume_description(self) -> dict:
+        """What identifies this run in a saved training's key (:mod:`.resume`): not its clock or results."""
+        return {"chapter": self.name, "profile": self.profile}
 
     def pick(self, **by_profile):
         """The value for the active profile, e.g. ``ch.pick(smoke=1, cpu=8, gpu=50)`` (a tiny gpu run: smoke's;

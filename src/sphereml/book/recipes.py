@@ -185,6 +185,7 @@ def paper_estimate(metrics: dict) -> dict:
         rows.append({"section": fit["recipe"], "epochs": fit["epochs"], "seconds": fit["seconds"],
                      "paper_epochs": epochs, "runs": recipe.runs, "estimated_s": fit["seconds"] * scale})
     measured = float(metrics.get("elapsed_seconds", sum(f["seconds"] for f in metrics.get("fits", []))))
+    measured += metrics.get("restored", {}).get("seconds", 0.0)  # a resumed run's trainings of an earlier run
     scaled = sum(r["estimated_s"] - r["seconds"] for r in rows)
     return {"device_name": metrics.get("device_name"), "measured_s": measured, "estimated_s": measured + scaled,
             "rows": rows}

@@ -306,18 +306,18 @@ def cayley_cholesky(a: Tensor) -> Tensor:
     and two triangular solves in float64, cast back.
 
     Note [Cayley on a GPU]
-        (I - A)(I + A) = I - A^2, and for a skew-symmetric A, I - A^2 = I + A^T A: symmetric positive definite
-        with every eigenvalue at least 1.  So (I - A)^-1 = (I + A)(I + A^T A)^-1, and the transform, a rational
-        function of A whose factors commute, is (I + A^T A)^-1 (I + A)^2.  Its condition number is that of
-        I - A squared; in float64 that keeps float32's accuracy for ||A|| up to about 1e4.  The reason for it:
-        on an H100 (2026-12-06) the LU solve (``linalg.solve``) of OPT's compiled Cayley step could not be
-        captured into a CUDA graph ("operation not permitted when stream is capturing"), while the Cholesky
-        factorisation and triangular solves of Gram-Schmidt's GPU form (:func:`cholesky_qr`) were captured in
-        the same run.  The two forms agree on skew-symmetric A, so their gradients agree along every
-        skew-symmetric direction, the only ones a parametrisation A = T - T^T reaches.  Eager steps keep the LU
-        solve: autograd through this form makes 90 more operations per CNN-6 step (238 against 148, counted as
-        in ``tests/test_step_cost.py``), launches that a compiled step fuses or replays but an eager one pays.
-        Not yet run on a GPU.
+        (I - A)(I + A) = I - A^2, and for a skew-symmetric A, I - A^2 = I + A^T A: symmetric positive definite with
+        every eigenvalue at least 1.  So (I - A)^-1 = (I + A)(I + A^T A)^-1, and the transform, a rational function of
+        A whose factors commute, is (I + A^T A)^-1 (I + A)^2.  Its condition number is that of I - A squared; in
+        float64 that keeps float32's accuracy for ||A|| up to about 1e4.  The reason for it: on an H100 (2026-12-06)
+        the LU solve (``linalg.solve``) of OPT's compiled Cayley step could not be captured into a CUDA graph
+        ("operation not permitted when stream is capturing"), while the Cholesky factorisation and triangular solves
+        of Gram-Schmidt's GPU form (:func:`cholesky_qr`) appear, from the order of the run's steps, to have been
+        captured before it (inferred, not seen; :data:`~sphereml.launches.CAPTURE_UNSAFE`).  The two forms agree on
+        skew-symmetric A, so their gradients agree along every skew-symmetric direction, the only ones a
+        parametrisation A = T - T^T reaches.  Eager steps keep the LU solve: autograd through this form makes 90 more
+        operations per CNN-6 step (238 against 148, counted as in ``tests/test_step_cost.py``), launches that a
+        compiled step fuses or replays but an eager one pays.  Not yet run on a GPU.
     """
     check_square(a, "a")
     x = a.to(torch.float64)
