@@ -32,7 +32,8 @@
 # benchmarks/results/*-cuda.json and is packed with the logs into $OUT/gpu_check.tar.gz.
 set -u
 OUT=${OUT:-gpu_out}
-resume=${SPHEREML_RESUME:-$PWD/.gpu/resume}  # the chapters' saved trainings
+resume=${SPHEREML_RESUME:-$PWD/.gpu/resume}  # the chapters' saved trainings: the chapter parts' alone
+unset SPHEREML_RESUME
 ran=()  # the chapters run
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)  # absolute: the tests write into it from their own working directories

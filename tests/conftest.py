@@ -26,6 +26,12 @@ def restore_rng(request):
 
 
 @pytest.fixture(autouse=True)
+def no_saved_trainings(monkeypatch):
+    """No test saves or restores trainings (sphereml.book.resume) unless it sets SPHEREML_RESUME itself."""
+    monkeypatch.delenv("SPHEREML_RESUME", raising=False)
+
+
+@pytest.fixture(autouse=True)
 def restore_backends():
     """A chapter's run sets cuDNN's and cuBLAS's numerics for the process (``configure_backends``); tests that run
     one leave the next test in the same worker the defaults."""

@@ -74,8 +74,8 @@ def _assert_same_results(a, b):
 @pytest.mark.parametrize("together", [False, True])
 def test_a_rerun_restores_every_training_and_ends_as_the_first(tmp_path, monkeypatch, together):
     first = _run(tmp_path, monkeypatch, together)
-    saved = sorted(p.name for p in (tmp_path / "cache" / "99_resume" / "smoke").iterdir())
-    assert saved == ["0001.pt", "0002.pt"] + ([] if together else ["0003.pt"])  # the seeds: one file, or one each
+    saved = sorted(p.name[:4] for p in (tmp_path / "cache" / "99_resume" / "smoke").iterdir())
+    assert saved == ["0001", "0002"] + ([] if together else ["0003"])  # the seeds: one file, or one each
     assert "restored" not in first["metrics"]
     second = _run(tmp_path, monkeypatch, together)
     _assert_same_results(first, second)
@@ -87,21 +87,48 @@ def test_a_rerun_restores_every_training_and_ends_as_the_first(tmp_path, monkeyp
 
 def test_a_run_stopped_after_its_first_training_goes_on_to_the_same_end(tmp_path, monkeypatch):
     first = _run(tmp_path, monkeypatch, together=True)
-    (tmp_path / "cache" / "99_resume" / "smoke" / "0002.pt").unlink()  # as if stopped while training the seeds
+    (saved,) = (tmp_path / "cache" / "99_resume" / "smoke").glob("0002-*.pt")
+    saved.unlink()  # as if stopped while training the seeds
     second = _run(tmp_path, monkeypatch, together=True)
     _assert_same_results(first, second)
     assert second["metrics"]["restored"]["trainings"] == 1
     assert [bool(f.get("restored")) for f in second["metrics"]["fits"]] == [True, False, False]
 
 
-def test_a_changed_training_is_trained_again(tmp_path, monkeypatch):
-    """A saved training whose description differs (here the learning rate) is not restored but trained and
-    saved over."""
+def test_a_changed_training_is_trained_again_beside_the_saved_one(tmp_path, monkeypatch):
+    """A saved training whose description differs (here the learning rate) is not restored but trained, and saved
+    beside it: the first run's trainings stay for a rerun of the first."""
     _run(tmp_path, monkeypatch, together=False)
     monkeypatch.setenv(resume.ENV, str(tmp_path / "cache"))
     ch = Chapter("99_resume", "smoke", "cpu", 0, str(tmp_path / "out"))
     ch.fit(_net(0), _data(), epochs=2, batch_size=16, lr=0.02, callbacks=[Tracker(lambda s: 0.0, 2)])
     assert "restored" not in ch.metrics
+    assert len(list((tmp_path / "cache" / "99_resume" / "smoke").glob("0001-*.pt"))) == 2
+    assert _run(tmp_path, monkeypatch, together=False)["metrics"]["restored"]["trainings"] == 3
+
+
+def test_an_unreadable_saved_training_is_trained_again(tmp_path, monkeypatch):
+    first = _run(tmp_path, monkeypatch, together=True)
+    for saved in (tmp_path / "cache" / "99_resume" / "smoke").glob("*.pt"):
+        saved.write_bytes(saved.read_bytes()[:100])  # cut short
+    second = _run(tmp_path, monkeypatch, together=True)
+    _assert_same_results(first, second)
+    assert "restored" not in second["metrics"]
+
+
+def test_the_key_sees_a_module_setting_without_weights():
+    """Two networks with the same weights but another activation (no parameters) or margin are told apart."""
+    from sphereml.heads import margins
+
+    def net(act="relu", head=None):
+        torch.manual_seed(0)
+        backbone = models.plain_cnn(3, widths=(4, 4, 4), in_channels=1, image_size=16, feature_dim=8, act_layer=act)
+        return models.Classifier(backbone, 4, head=head)
+
+    key = partial(resume.training_key, {}, 1, train_data=_data(), seeds=[0], settings={})
+    assert key([net()]) == key([net()])
+    assert key([net()]) != key([net("gelu")])
+    assert key([net(head=margins.LSoftmaxLoss(8, 4, m=2))]) != key([net(head=margins.LSoftmaxLoss(8, 4, m=3))])
 
 
 def test_a_callback_without_state_is_trained_every_time(tmp_path, monkeypatch):

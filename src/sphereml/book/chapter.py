@@ -145,7 +145,8 @@ class Chapter:
         # SPHEREML_RESUME=<folder>: finished trainings saved there, and restored by a rerun (sphereml.book.resume)
         self._cache = TrainingCache.from_env(name, {
             "chapter": name, "profile": self.profile, "tiny": self.tiny, "device": self.device.type,
-            "seed": self.seed, "params": self.metrics["params"], "seeds_together": self.seeds_together},
+            "seed": self.seed, "params": self.metrics["params"], "seeds_together": self.seeds_together,
+            "fused": os.environ.get("SPHEREML_FUSED", "0")},
             {"device_name": self.metrics["device_name"], "torch": str(torch.__version__)})
         viz.set_style()
         self.write()

@@ -112,6 +112,8 @@ def run_chapter(name: str, parameters: dict | None = None, output_dir=None, note
     executed = out / f"{name}.ipynb"
     env_before = os.environ.get("SPHEREML_OUTPUT")
     os.environ["SPHEREML_OUTPUT"] = str(out.resolve())  # used when no parameter is injected
+    if os.environ.get("SPHEREML_RESUME"):  # the kernel runs in notebooks/: a relative folder is the caller's
+        os.environ["SPHEREML_RESUME"] = str(Path(os.environ["SPHEREML_RESUME"]).resolve())
     try:
         papermill.execute_notebook(
             str(source), str(executed), parameters=params, cwd=str(source.parent),
