@@ -24,7 +24,9 @@
 #             Each finished training is saved under $SPHEREML_RESUME (default .gpu/resume; sphereml.book.resume)
 #             and restored when the chapter runs again, so a chapter stopped by its limit goes on where it stopped,
 #             on this box or, carried back in .gpu/resume, on the next: the saved trainings of the chapters run
-#             come back as $OUT/resume.tar, as many chapters as fit in RESUME_MIB (15; unpack it into .gpu/resume).
+#             come back in parts of 15 MiB, $OUT/resume.tar.aa, .ab, ..., as many chapters as fit in RESUME_MIB
+#             (26: what a carry of 64 MiB leaves beside the data and the checkout; here, unpack them with
+#             `cat resume.tar.* | tar xf - -C .gpu/resume`).
 # TIDY_OUT=1 deletes the logs from $OUT once packed in gpu_check.tar.gz, for a box that sends back at most 8 files.
 # Data: a GPU box has no Fashion-MNIST; copy its four IDX files to .gpu/data/fashion-mnist/ (ignored by git), carry
 # .gpu and benchmarks/chapters to the box, and export SPHEREML_DATA=$PWD/.gpu/data before this script.
@@ -141,19 +143,19 @@ for part in "${PARTS[@]}"; do
     *) echo "unknown part $part" | tee -a "$OUT/summary.txt" ;;
   esac
 done
-packed=() budget=$(( ${RESUME_MIB:-15} * 1024 ))  # the saved trainings to carry on: one file, <= 16 MiB
+packed=() budget=$(( ${RESUME_MIB:-26} * 1024 ))  # the saved trainings to carry on, in parts of 15 MiB
 for name in $(printf "%s\n" "${ran[@]}" | sort -u); do
   [ -d "$resume/$name" ] || continue
   count=$(find "$resume/$name" -name '[0-9]*.pt' | wc -l)  # not a save cut short (.NNNN.pt.PID.tmp)
   kib=$(find "$resume/$name" -name '[0-9]*.pt' -printf '%s\n' | awk '{s += $1} END {print int(s / 1024)}')
   if [ "$kib" -le "$budget" ]; then
     packed+=("$name") budget=$((budget - kib))
-    echo "resume $name: $count trainings, $((kib / 1024)) MiB, in resume.tar" | tee -a "$OUT/summary.txt"
+    echo "resume $name: $count trainings, $((kib / 1024)) MiB, in resume.tar.*" | tee -a "$OUT/summary.txt"
   else
     echo "resume $name: $count trainings, $((kib / 1024)) MiB, too large to come back" | tee -a "$OUT/summary.txt"
   fi
 done
-[ ${#packed[@]} -gt 0 ] && tar cf "$OUT/resume.tar" -C "$resume" --exclude='.*' "${packed[@]}"
+[ ${#packed[@]} -gt 0 ] && tar cf - -C "$resume" --exclude='.*' "${packed[@]}" | split -b 15M - "$OUT/resume.tar."
 tar czf "$OUT/gpu_check.tar.gz" "$OUT"/*.txt benchmarks/results/*-cuda.json _build/runs/*/metrics.json 2>/dev/null
 if [ "${TIDY_OUT:-0}" = 1 ] && tar tzf "$OUT/gpu_check.tar.gz" > /dev/null 2>&1; then
   find "$OUT" -maxdepth 1 -name '*.txt' ! -name summary.txt -delete  # they are in the archive
