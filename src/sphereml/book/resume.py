@@ -66,8 +66,7 @@ def describe(value, depth: int = 0):
     if isinstance(value, np.ndarray):
         return describe(torch.from_numpy(np.ascontiguousarray(value)), depth)
     if isinstance(value, numbers.Number):  # NumPy's scalars
-        return repr(complex(value) if isinstance(value, numbers.Complex) and not isinstance(value, numbers.Real)
-                    else float(value))
+        return repr(float(value) if isinstance(value, numbers.Real) else complex(value))
     if isinstance(value, (torch.dtype, torch.device)):
         return str(value)
     if isinstance(value, torch.Tensor):
@@ -84,19 +83,8 @@ def describe(value, depth: int = 0):
         return {str(k): describe(v, depth + 1) for k, v in sorted(value.items(), key=lambda kv: str(kv[0]))}
     if isinstance(value, nn.Module):
         return {"module": type(value).__qualname__}
-    if isinstance(value, functools.partial):
-        return {"partial": describe(value.func, depth + 1), "args": describe(value.args, depth + 1),
-                "keywords": describe(value.keywords, depth + 1)}
-    if hasattr(value, "__func__") and hasattr(value, "__self__"):  # a bound method: the function and its object
-        return {"method": describe(value.__func__, depth + 1), "of": describe(value.__self__, depth + 1)}
-    if hasattr(value, "__code__"):  # a function: its code and what it closes over
-        cells = [_contents(c) for c in value.__closure__ or ()]
-        return {"function": f"{value.__module__}.{value.__qualname__}", "code": _code(value.__code__),
-                "closure": describe([c for c in cells if not isinstance(c, nn.Module)], depth + 1),
-                "defaults": describe(list(value.__defaults__ or ()), depth + 1),
-                "keyword_defaults": describe(value.__kwdefaults__ or {}, depth + 1)}
-    if callable(value) and hasattr(value, "__qualname__"):  # a class or a builtin
-        return {"callable": f"{getattr(value, '__module__', '')}.{value.__qualname__}"}
+    if callable(value) and (isinstance(value, functools.partial) or hasattr(value, "__qualname__")):
+        return _describe_callable(value, depth)
     own = {"class": type(value).__qualname__}
     if depth < _DEPTH and hasattr(value, "__dict__"):
         own.update({k: describe(v, depth + 1) for k, v in sorted(vars(value).items())
@@ -104,6 +92,22 @@ def describe(value, depth: int = 0):
     elif dataclasses.is_dataclass(value) and depth < _DEPTH:
         own.update({f.name: describe(getattr(value, f.name), depth + 1) for f in dataclasses.fields(value)})
     return own
+
+
+def _describe_callable(value, depth: int):
+    """:func:`describe` of a partial, a bound method, a function (its code and what it closes over), or a class."""
+    if isinstance(value, functools.partial):
+        return {"partial": describe(value.func, depth + 1), "args": describe(value.args, depth + 1),
+                "keywords": describe(value.keywords, depth + 1)}
+    if hasattr(value, "__func__") and hasattr(value, "__self__"):  # a bound method: the function and its object
+        return {"method": describe(value.__func__, depth + 1), "of": describe(value.__self__, depth + 1)}
+    if hasattr(value, "__code__"):
+        cells = [_contents(c) for c in value.__closure__ or ()]
+        return {"function": f"{value.__module__}.{value.__qualname__}", "code": _code(value.__code__),
+                "closure": describe([c for c in cells if not isinstance(c, nn.Module)], depth + 1),
+                "defaults": describe(list(value.__defaults__ or ()), depth + 1),
+                "keyword_defaults": describe(value.__kwdefaults__ or {}, depth + 1)}
+    return {"callable": f"{getattr(value, '__module__', '')}.{value.__qualname__}"}  # a class or a builtin
 
 
 def _code(code) -> str:
