@@ -195,7 +195,9 @@ def test_label_out_of_range_makes_the_fused_loss_nan(bad):
 def test_fused_head_passes_over_w_as_often_as_nn_linear_plus_two(name):
     """Operations that touch a C x d tensor (C x d above B x C here): the three products and the gradient's
     accumulation, as for nn.Linear + cross_entropy, plus the norm pass and the norm term of dL/dW.  No row of W
-    is gathered, so no C x d zeros and no second C x d gradient to add (the reference path: 16 or more)."""
+    is gathered, so no C x d zeros and no second C x d gradient to add (the reference path: four more than
+    nn.Linear's: the norms in four passes and the norm term, or L-Softmax's label rows gathered, their gradient's
+    C x d zeros and scatter, and its sum with the product's)."""
     b, d, c = 4, 64, 300
     head = FUSABLE[name](d, c).double()
     x, labels = _inputs(b, d, c)
@@ -212,7 +214,7 @@ def test_fused_head_passes_over_w_as_often_as_nn_linear_plus_two(name):
     step(lambda a, y: torch.nn.functional.cross_entropy(linear(a), y))()
     baseline = launches.count_ops(step(lambda a, y: torch.nn.functional.cross_entropy(linear(a), y)), touching=c * d)
     assert counts["fused"].by_op == baseline.by_op + Counter({"sphereml::margin_ce_norms": 1, "aten::addcmul_": 1})
-    assert counts["reference"].total >= baseline.total + 5
+    assert counts["reference"].total >= baseline.total + 4
 
 
 def test_custom_operators_pass_opcheck():

