@@ -199,6 +199,7 @@ def test_resume_continues_the_regularizers_projections(toy, tmp_path):
         assert torch.equal(p, q)
 
 
+@pytest.mark.timeout(240)  # inductor builds C++ for the CPU: 89 s of the GPU box's 90-s limit on 2026-12-06
 def test_compiled_step_trains_like_the_eager_step(toy):
     """fit(compile=True): the loss and the penalty through torch.compile, the regulariser's state stepped eagerly."""
     from sphereml.regularizers import MHE

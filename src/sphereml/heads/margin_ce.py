@@ -83,17 +83,17 @@ class WeightNormalizedLinear(torch.autograd.Function):
         if grad is None:  # the product unused (only an extra asked for): nothing flows back
             return None, None, None
         x, weight, inv, out, active = ctx.saved_tensors
-        g = grad * inv  # (B, C)
-        grad_x = g @ weight if ctx.needs_input_grad[0] else None
+        g = grad * inv  # (B, C), in the logits' dtype: float32 under autocast, whatever x's dtype (bf16 features)
+        grad_x = (g @ weight.to(g.dtype)).to(x.dtype) if ctx.needs_input_grad[0] else None
         grad_w = None
         if ctx.needs_input_grad[1]:
             coeff = (grad * out).sum(0) * inv * inv * active  # (C,); zero where the norm was floored
-            grad_w = g.T @ x
+            grad_w = (g.T @ x.to(g.dtype)).to(weight.dtype)
             if not torch.compiler.is_compiling() and is_functorch_wrapped_tensor(grad_w):  # several seeds' heads
                 # (sphereml.multiseed): vmap has no batching rule for addcmul_
-                grad_w = grad_w.addcmul(weight, coeff[:, None], value=-1.0)
-            else:
-                grad_w.addcmul_(weight, coeff[:, None], value=-1.0)  # in place: no second C x d tensor
+                grad_w = grad_w.addcmul(weight, coeff[:, None].to(weight.dtype), value=-1.0)
+            else:  # in place: no second C x d tensor
+                grad_w.addcmul_(weight, coeff[:, None].to(weight.dtype), value=-1.0)
         return grad_x, grad_w, None
 
 
