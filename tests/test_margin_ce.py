@@ -305,8 +305,9 @@ HEAD_CLASSES = ("NormalizedSoftmaxLoss", "LSoftmaxLoss", "ASoftmaxLoss", "CosFac
 @pytest.mark.parametrize("backend", ["reference", "fused"])
 @pytest.mark.parametrize("name", HEAD_CLASSES)
 def test_bf16_features_under_autocast_train_as_float32_ones(name, backend):
-    """Features made under autocast are bf16 while the class weights stay float32: the backward multiplies each by
-    the other's dtype (it failed with a dtype mismatch before), and the gradients are float32 ones to bf16 rounding."""
+    """Features made under autocast are bf16 while the class weights stay float32: the backward multiplies in the
+    logits' dtype and returns each gradient in its input's (it failed with a dtype mismatch before), and the
+    gradients are the float32 run's to bf16 rounding."""
     grads = {}
     for autocast in (False, True):
         torch.manual_seed(0)
