@@ -11,8 +11,8 @@ the compiled candidates (their compilation takes most of the run's time).
 The heads take the reference path (the default: autograd over the B x C logits); on CUDA the four heads of
 ``FUSED_ROWS`` also run with ``backend="fused"`` (:func:`sphereml.heads.fused_head.fused_margin_loss`, Triton).
 Beside each time: the aten operations of one step and, in brackets, those that touch a B x C or C x d tensor (on
-this CPU at B=256, C=10,000: 8 for the baseline, 24 for every head's reference path, 8 for the fused path; in all,
-8, 41-112 and 10-19 on a GPU, where the labels' range is not read).
+this CPU at B=256, C=10,000: 8 for the baseline, 24 for a normalised head's reference path and 19 for L-Softmax's,
+8 for the fused path; in all, 8, 41-112 and 10-19 on a GPU, where the labels' range is not read).
 Result files of 2026-11-27 were measured when the heads took an earlier fused path on CUDA: there the plain
 rows are fused and the "(reference)" rows the reference (their ``note`` says so).
 :func:`compile_check` compiles the fused kernels for sm_90 on a machine without a GPU.
