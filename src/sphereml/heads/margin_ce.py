@@ -49,6 +49,12 @@ __all__ = ["WeightNormalizedLinear", "weight_normalized_linear", "margin_cross_e
            "loss_from_rest"]
 
 
+def under_vmap(t: Tensor) -> bool:
+    """Whether ``t`` is wrapped by a torch.func transform (several seeds' heads, :mod:`sphereml.multiseed`): the
+    fused operators and some in-place operations have no batching rules, so such heads take other forms."""
+    return not torch.compiler.is_compiling() and is_functorch_wrapped_tensor(t)
+
+
 class WeightNormalizedLinear(torch.autograd.Function):
     """x W_hat^T with W_hat_j = W_j / max(||W_j||, eps), with a hand-written backward.  ``apply`` returns the product
     and two tensors the backward keeps; :func:`weight_normalized_linear` returns the product only.
@@ -89,8 +95,7 @@ class WeightNormalizedLinear(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             coeff = (grad * out).sum(0) * inv * inv * active  # (C,); zero where the norm was floored
             grad_w = (g.T @ x.to(g.dtype)).to(weight.dtype)
-            if not torch.compiler.is_compiling() and is_functorch_wrapped_tensor(grad_w):  # several seeds' heads
-                # (sphereml.multiseed): vmap has no batching rule for addcmul_
+            if under_vmap(grad_w):  # vmap has no batching rule for addcmul_
                 grad_w = grad_w.addcmul(weight, coeff[:, None].to(weight.dtype), value=-1.0)
             else:  # in place: no second C x d tensor
                 grad_w.addcmul_(weight, coeff[:, None].to(weight.dtype), value=-1.0)

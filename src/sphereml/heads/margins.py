@@ -46,14 +46,13 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch._C._functorch import is_functorch_wrapped_tensor
 
 from .._checks import integer, labels as check_labels, real_number
 from ..angular import angular_activation, angular_function, check_angular, stable_arccos
 from ..energy.triton_backend import FUSED_BACKENDS, choose_backend
 from ..geometry import normalize, safe_norm
 from .fused_head import fused_margin_loss
-from .margin_ce import weight_normalized_linear
+from .margin_ce import under_vmap, weight_normalized_linear
 from .schedules import LambdaSchedule
 from .targets import arcface_psi, integer_margin, multiplicative_psi, psi
 
@@ -71,12 +70,6 @@ def _detached_psi(cos: Tensor, m: float) -> Tensor:
     with torch.no_grad():
         target = psi(torch.arccos(cos.clamp(-1.0 + _ACOS_EPS, 1.0 - _ACOS_EPS)), m)
     return cos + (target - cos).detach()
-
-
-def _under_vmap(t: Tensor) -> bool:
-    """Whether ``t`` is wrapped by a torch.func transform (several seeds' heads, :mod:`sphereml.multiseed`): the
-    fused operators have no batching rules, so such heads take the reference path."""
-    return not torch.compiler.is_compiling() and is_functorch_wrapped_tensor(t)
 
 
 def _check_scale(s: float | None, allow_none: bool) -> float | None:
@@ -173,7 +166,7 @@ class _MarginHead(nn.Module):
 
     def _loss(self, features: Tensor, labels: Tensor, want_logits: bool):
         fused = (self._tail_spec() is not None and choose_backend(self.backend, features) == "fused"
-                 and not _under_vmap(features) and not _under_vmap(self.weight))
+                 and not under_vmap(features) and not under_vmap(self.weight))
         if fused:
             value, logits = self._fused_loss(features, labels, want_logits)
         else:
