@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The one command for a GPU box, from the repository root (no papermill, jupytext or internet needed):
 #
-#   bash benchmarks/gpu_check.sh [tests] [bench[:NAME,NAME...]] [scaling] [profile]
+#   bash benchmarks/gpu_check.sh [tests] [bench[:NAME,NAME...]] [scaling] [profile] [profile-step]
 #                                [chapter:NAME|chapters|chapters-at-once]
 #
 # with no argument: tests and bench.  Each part has its own time limit and prints what failed by name:
@@ -11,11 +11,15 @@
 #             in $OUT/failures.txt, their messages in $OUT/failure-messages.txt as they happen (so a suite
 #             stopped by its limit still says why), the whole log in $OUT/tests.txt     (TESTS_LIMIT, 240 s)
 #   bench     every benchmark on CUDA but the energy's scaling study (or the listed ones), each in its own
-#             process within what is left of the limit, with inductor's reasons for skipping CUDA graphs
-#             (TORCH_LOGS=perf_hints), then the open issues' goals against the saved results in
+#             process within what is left of the limit, with inductor's hints (TORCH_LOGS=perf_hints) and, in each
+#             result, what the compiler made of each compiled candidate, then the open issues' goals against the saved results in
 #             $OUT/goals.txt (python -m benchmarks.goals)                                   (BENCH_LIMIT, 240 s)
 #   scaling   the energy's scaling study up to N = 2^20                                   (SCALING_LIMIT, 500 s)
 #   profile   each patch layer by backend: wall, host and device time per call, top kernels (PROFILE_LIMIT, 120 s)
+#   profile-step   the CNN-9 step, plain and with HS-MHE, eager and compiled (CUDA graphs): device time, top kernels,
+#             what the compiler made of it and a warm step's peak memory, with TORCH_LOGS=cudagraphs (why CUDA
+#             graphs were skipped or recorded again; NAMES: other regularisers of benchmarks/bench_comhe.py, one
+#             word each)                                                                 (PROFILE_LIMIT, 120 s)
 #   chapter:NAME / chapters   a chapter's gpu profile (all nine, one after another; chapters-at-once: all at
 #             once, one thread each), run as a script made by jupytext beforehand
 #             (`make gpu-scripts` writes benchmarks/chapters/NAME.py, ignored by git: carry it)
@@ -96,7 +100,9 @@ for part in "${PARTS[@]}"; do
       # each benchmark in its own process, within what is left of BENCH_LIMIT, so that one that dies (the OPT step
       # that CUDA graphs could not capture, on an H100 on 2026-12-06, took the two queued after it down with it)
       # leaves the others to run; each one's line in summary.txt, their output together in bench.txt
-      # perf_hints: inductor says when it skips CUDA graphs for a compiled candidate, and why
+      # perf_hints: inductor's hints; how many graphs skipped CUDA graphs is in each result's "compiler" (the reasons
+      # go to the cudagraphs log, which also writes a line per call run outside a graph, inside the timing: it is
+      # profile-step's)
       started=$SECONDS
       : > "$OUT/bench.txt"
       for name in ${names//,/ }; do
@@ -122,6 +128,11 @@ for part in "${PARTS[@]}"; do
       ;;
     profile)
       step profile "${PROFILE_LIMIT:-120}" $PY -m benchmarks.profile_layer
+      ;;
+    profile-step)
+      # shellcheck disable=SC2086  # NAMES: regulariser names, one word each
+      TORCH_LOGS=${TORCH_LOGS-cudagraphs} step profile-step "${PROFILE_LIMIT:-120}" $PY -m benchmarks.profile_step \
+        ${NAMES:-none HS-MHE}
       ;;
     chapter:*|chapters|chapters-at-once)
       chapters=${part#chapter:}

@@ -10,10 +10,10 @@ import torch
 
 from sphereml.launches import count_ops
 from sphereml.timing import compare as compare_round_robin
-from sphereml.timing import device_name, environment, peak_memory, save_result, training_step
+from sphereml.timing import device_name, environment, peak_memory, save_result, synchronizer, training_step
 
-__all__ = ["RESULTS", "SMOKE", "smoke_or", "compiling", "first_call", "compare", "device_name", "environment", "save",
-           "training_step"]
+__all__ = ["RESULTS", "SMOKE", "smoke_or", "compiling", "compile_counters", "first_call", "compare", "device_name",
+           "environment", "save", "training_step"]
 
 # SPHEREML_BENCH_RESULTS sends the JSON elsewhere (the smoke test writes to a temporary folder).
 RESULTS = Path(os.environ.get("SPHEREML_BENCH_RESULTS") or Path(__file__).resolve().parent / "results")
@@ -34,6 +34,22 @@ def compiling(device: torch.device) -> bool:
     return device.type == "cuda" and not SMOKE and os.environ.get("SPHEREML_BENCH_COMPILE", "1") != "0"
 
 
+# What the compiler did during each candidate's first calls (``first_call``), by label, until ``compare`` saves it.
+_COMPILED: dict[str, dict[str, int]] = {}
+
+
+def compile_counters() -> dict[str, int]:
+    """Totals of TorchDynamo's and Inductor's counters so far in this process: graphs compiled, graph breaks,
+    graphs for which Inductor skipped CUDA graphs, and the inputs that a recorded CUDA graph copies in at every
+    replay (tensors that are not parameters, buffers or otherwise static).  Never reads tensor data."""
+    from torch._dynamo.utils import counters
+
+    return {"graphs": counters["stats"]["unique_graphs"],
+            "graph_breaks": sum(counters["graph_break"].values()),
+            "cudagraph_skips": counters["inductor"]["cudagraph_skips"],
+            "copied_inputs": counters["inductor"]["cudagraph_recorded_non_static_inputs"]}
+
+
 def first_call(benchmark: str, label: str, candidate: Callable[[], object],
                calls: int | None = None) -> Callable[[], object] | None:
     """``candidate`` after ``calls`` calls (default: three where CUDA is available, one elsewhere), which compile
@@ -42,8 +58,10 @@ def first_call(benchmark: str, label: str, candidate: Callable[[], object],
     the CUDA graph at the second call and replays it from the third: an operation that cannot be captured
     (``linalg.solve`` in OPT's Cayley transform on an H100, 2026-12-06) fails at the second, which was inside the
     timing and took the whole benchmark down with it.  Not yet run on a GPU: whether the CUDA work after a failed
-    capture runs on in the same process is the next GPU run's to see."""
+    capture runs on in the same process is the next GPU run's to see.  Where the calls compiled something, what
+    the compiler made of it (:func:`compile_counters`) is printed and saved with the result, under "compiler"."""
     calls = (3 if torch.cuda.is_available() else 1) if calls is None else calls
+    before = compile_counters()
     try:
         for _ in range(calls):
             candidate()
@@ -52,6 +70,11 @@ def first_call(benchmark: str, label: str, candidate: Callable[[], object],
     except Exception as exc:  # noqa: BLE001 - report and go on
         print(f"{benchmark}: {label} failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
         return None
+    done = {key: value - before[key] for key, value in compile_counters().items()}
+    if done["graphs"]:  # compiled here: what became of it, printed and kept for the result file
+        _COMPILED[label] = done
+        print(f"{benchmark}: {label} compiled: " + ", ".join(f"{value} {key.replace('_', ' ')}"
+                                                          for key, value in done.items()))
     return candidate
 
 
@@ -67,10 +90,23 @@ def compare(name: str, candidates: dict[str, Callable[[], object]], baseline: st
     operations of one call (:func:`sphereml.launches.count_ops`, about one kernel launch each on a GPU);
     ``large`` (with ``count``): also those that touch a tensor of at least that many elements (the passes over
     memory that set a large layer's time)."""
-    timing = compare_round_robin(candidates, baseline, device, repeats=smoke_or(repeats, 1))
+    for fn in candidates.values():  # the warm-up calls (compilation, caches), untimed, before the counters are read
+        for _ in range(2):
+            fn()
+    synchronizer(device)()
+    before = compile_counters()
+    timing = compare_round_robin(candidates, baseline, device, repeats=smoke_or(repeats, 1), warmup=0)
+    late = compile_counters()["graphs"] - before["graphs"]
+    if late:  # a candidate compiled again inside the timing: its times include compiling
+        print(f"{name}: {late} graph(s) compiled while timed (recompilation): the compiled times include it")
     memory = {label: peak_memory(fn, device) for label, fn in candidates.items()}  # one more call each, warm
     result = {"benchmark": name, "seconds": timing.seconds, "ratio_to_" + baseline: timing.ratios,
               "peak_bytes": memory, **(extra or {})}
+    compiler = {label: _COMPILED.pop(label) for label in candidates if label in _COMPILED}
+    if compiler:  # what the compiler made of each compiled candidate (first_call)
+        result["compiler"] = compiler
+    if late:
+        result["graphs_compiled_while_timed"] = late
     if count:  # compiled candidates run kernels of their own: counted as eager only
         result["ops_per_call"] = {label: count_ops(fn).total for label, fn in candidates.items()
                                   if "compiled" not in label}

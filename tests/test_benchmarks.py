@@ -222,7 +222,7 @@ REPRODUCING_ROWS = {"train_step": "train_step_convnet_", "margins": "margin_head
                     "sphereconv": "sphereconv_fwd_bwd", "energy": "energy_fwd_bwd", "decoupled": "decoupled_fwd_bwd",
                     "scs": "scs_fwd_bwd", "convsim": "convsim_fft_vs_direct", "comhe": "comhe_train_step_cnn9",
                     "opt": "opt_train_step_cnn6", "orthogonalizers": "orthogonalizers_fwd_bwd",
-                    "multiseed": "multiseed_"}
+                    "multiseed": "multiseed_", "launches": "launch_overhead"}
 DATE_ONLY = {"multiseed"}  # rows that quote some of their files only: their dates are checked, not their ratios
 
 
@@ -290,3 +290,67 @@ def test_first_call_drops_a_candidate_that_fails_on_a_later_call(capsys):
     calls.clear()
     assert first_call("test", "eager", fails_second_time, calls=1) is fails_second_time
     assert len(calls) == 1
+
+
+def test_first_call_and_compare_record_what_the_compiler_made_of_a_candidate(tmp_path, monkeypatch, capsys):
+    """A compiled candidate's graphs and graph breaks (and, on CUDA, skipped or copying CUDA graphs) are printed at
+    its first calls and saved with the timings, so that a GPU run says why a compiled step is slow; an eager
+    candidate has no such record, and a recompilation inside the timing is reported."""
+    import torch
+
+    from benchmarks import harness
+
+    monkeypatch.setattr(harness, "RESULTS", tmp_path)
+    x = torch.randn(8)
+
+    def broken(t):
+        t = t * 2
+        torch._dynamo.graph_break()
+        return t + 1
+
+    candidates = {"eager": lambda: x * 2 + 1,
+                  "whole": (lambda f=torch.compile(lambda t: t * 2 + 1, backend="eager"): f(x)),
+                  "broken": (lambda f=torch.compile(broken, backend="eager"): f(x))}
+    for label, fn in candidates.items():
+        assert harness.first_call("test", label, fn, calls=2) is fn
+    printed = capsys.readouterr().out
+    assert "test: whole compiled: 1 graphs, 0 graph breaks, 0 cudagraph skips, 0 copied inputs" in printed
+    assert "test: broken compiled: 2 graphs, 1 graph breaks" in printed and "test: eager compiled" not in printed
+    result = harness.compare("compile_record", candidates, "eager", torch.device("cpu"), repeats=1)
+    assert set(result["compiler"]) == {"whole", "broken"}
+    assert result["compiler"]["whole"] == {"graphs": 1, "graph_breaks": 0, "cudagraph_skips": 0, "copied_inputs": 0}
+    assert "graphs_compiled_while_timed" not in result and not harness._COMPILED  # handed over once
+
+    late = torch.compile(lambda t: t.sin(), backend="eager", dynamic=False)
+    calls = []  # the third call of the candidate is the first timed one: a new shape there compiles again
+
+    def new_shape_when_timed():
+        calls.append(1)
+        return late(x if len(calls) <= 2 else torch.randn(3, 5))
+
+    result = harness.compare("compile_record", {"eager": lambda: x * 2, "late": new_shape_when_timed}, "eager",
+                             torch.device("cpu"), repeats=2)
+    assert result["graphs_compiled_while_timed"] == 1 and "1 graph(s) compiled while timed" in capsys.readouterr().out
+    calls.clear()  # compiled for both shapes now, in warm-up or timing alike: nothing reported
+    result = harness.compare("compile_record", {"eager": lambda: x * 2, "late": new_shape_when_timed}, "eager",
+                             torch.device("cpu"), repeats=2)
+    assert "graphs_compiled_while_timed" not in result
+
+
+def test_the_launch_benchmarks_triton_kernel_adds_one(monkeypatch):
+    """``python -m benchmarks launches`` times a one-block Triton kernel's launch on CUDA: it must compute x + 1
+    (interpreted on a CPU-only machine), for a block and a part of one, so that its time is that of a working kernel."""
+    import importlib
+
+    import torch
+
+    pytest.importorskip("triton", reason="needs Triton")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu":
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    from benchmarks import _launch_kernels
+
+    kernels = importlib.reload(_launch_kernels)  # decorated again, under the interpreter where there is no GPU
+    for n in (1, 128, 300):
+        x = torch.arange(n, dtype=torch.float32, device=device)
+        assert torch.equal(kernels.add_one(x), x + 1)

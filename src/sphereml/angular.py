@@ -38,6 +38,7 @@ import math
 import torch
 from torch import Tensor
 
+from ._autograd import Function
 from ._checks import one_of, real_number
 
 __all__ = ["ANGULAR", "DECOUPLED_ANGULAR", "check_angular", "check_k", "angular_function", "angular_activation",
@@ -93,7 +94,7 @@ def inverse_sine(cos: Tensor) -> Tensor:
     return (cos * cos).neg_().add_(1.0).clamp_min_(POLE_FLOOR).rsqrt_()
 
 
-class _Arccos(torch.autograd.Function):
+class _Arccos(Function):
     """arccos(c) on [-1, 1] with the derivative floored at the poles: Note [angle for linear and sigmoid]."""
 
     generate_vmap_rule = True  # several seeds at once (sphereml.multiseed)
@@ -120,7 +121,7 @@ def stable_arccos(cos: Tensor) -> Tensor:
     return _Arccos.apply(cos)
 
 
-class _LinearFromCos(torch.autograd.Function):
+class _LinearFromCos(Function):
     """Linear g(arccos(c)) = 1 - 2 arccos(c) / pi in one autograd node: dg/dc = (2 / pi) / sin(theta).
 
     One node instead of a chain of autograd nodes: from about 1.6x to 1.35-1.45x of
@@ -144,7 +145,7 @@ class _LinearFromCos(torch.autograd.Function):
         return inverse_sine(cos).mul_(grad).mul_(2.0 / math.pi)
 
 
-class _SigmoidFromCos(torch.autograd.Function):
+class _SigmoidFromCos(Function):
     """Sigmoid g(arccos(c)) = tanh(u) / T in one autograd node, u = (pi/2 - theta) / 2k, T = tanh(pi / 4k).
 
     k is a number or a tensor broadcast against c (a number stays on the host: no copy to the device per

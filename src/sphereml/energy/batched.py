@@ -42,6 +42,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
+from .._autograd import Function
 from .._checks import one_of, real_number
 from ..launches import on_accelerator  # Note [blocks by device]; tests make it say True
 from .gram import gram_energies
@@ -241,7 +242,7 @@ def _pad_square(gram: Tensor, rows: int) -> Tensor:
     return torch.nn.functional.pad(gram, (0, extra, 0, extra)) if extra else gram
 
 
-class _SymmetricGram(torch.autograd.Function):
+class _SymmetricGram(Function):
     """G = X X^T for each set of Tensor[B, N, d], whose gradient Gbar is symmetric: every energy here is a sum over
     unordered pairs with symmetric weights (:func:`pair_weights`), so dL/dX = (Gbar + Gbar^T) X = 2 Gbar X, one
     batched product (autograd's backward of ``X @ X.mT`` makes two and adds them)."""

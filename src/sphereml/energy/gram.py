@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 from torch._C._functorch import is_functorch_wrapped_tensor
 
+from .._autograd import Function
 from .triton_backend import choose_backend, power_path, usable_on
 
 __all__ = ["gram_energies", "gram_energies_reference", "CPU_CHUNK", "PAIRS_BACKEND", "pairs_fused"]
@@ -212,7 +213,7 @@ def _(gram, minus, plus, grad, s, eps):
     return torch.empty_like(gram)
 
 
-class _GramEnergies(torch.autograd.Function):
+class _GramEnergies(Function):
     """:func:`gram_energies_reference` with a hand-written backward that recomputes from the Gram matrices
     (Note [the gradient of the batched energy]): nothing N x N is saved, and on a CPU the sets go through in
     cache-sized chunks.  Written in the form ``torch.func`` batches (``setup_context``, ``generate_vmap_rule``), so

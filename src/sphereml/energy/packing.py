@@ -25,6 +25,8 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
+from .._autograd import Function
+
 __all__ = ["column_groups", "WeightPacking", "DeviceCache"]
 
 
@@ -75,7 +77,7 @@ def column_groups(shapes: Sequence[torch.Size], waste: float | None = None) -> l
     return blocks
 
 
-class _GatherBlocks(torch.autograd.Function):
+class _GatherBlocks(Function):
     """The blocks' entries gathered from the concatenation by one index; the backward gathers back by the inverse
     index: every entry of the concatenation lands in exactly one place of one block (the padding reads the zero at
     its end), so no gradient needs adding up, and the backward is exact and deterministic (a concatenation of the

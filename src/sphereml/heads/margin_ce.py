@@ -42,6 +42,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch._C._functorch import is_functorch_wrapped_tensor
 
+from .._autograd import Function
 from ..energy.triton_backend import choose_backend, launchable, usable_on
 from ..geometry import safe_norm
 
@@ -55,7 +56,7 @@ def under_vmap(t: Tensor) -> bool:
     return not torch.compiler.is_compiling() and is_functorch_wrapped_tensor(t)
 
 
-class WeightNormalizedLinear(torch.autograd.Function):
+class WeightNormalizedLinear(Function):
     """x W_hat^T with W_hat_j = W_j / max(||W_j||, eps), with a hand-written backward.  ``apply`` returns the product
     and two tensors the backward keeps; :func:`weight_normalized_linear` returns the product only.
 

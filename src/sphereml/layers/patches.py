@@ -51,6 +51,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .._autograd import Function
 from .._checks import integer, real_number
 from ..angular import DECOUPLED_ANGULAR, angular_activation, check_angular, check_k
 from ..geometry import max_abs_scale, safe_norm
@@ -167,7 +168,7 @@ def _grad_x_through_norms(grad_m: Tensor, x: Tensor, norm: Tensor, sq: Tensor, e
     return grad_x.reshape(b, c, h, w).to(x.dtype)
 
 
-class _DivideByPatchNorm(torch.autograd.Function):
+class _DivideByPatchNorm(Function):
     """cos = clamp(inner / (||x_patch|| + q), -1, 1) with the patch norm of Note [patch norm by convolution].
 
     Forward: e = sum over each group's channels of x^2 (Tensor[B, G, H, W]), s = conv(e, ones)
@@ -230,7 +231,7 @@ class _DivideByPatchNorm(torch.autograd.Function):
         return grad_inner, grad_x, grad_q, None, None, None, None, None, None
 
 
-class _Sharpen(torch.autograd.Function):
+class _Sharpen(Function):
     """sign(c) abs(c)^p with p a number or a tensor broadcast against c, in one autograd node.
 
     Forward computes y = sign(c) abs(c)^p exactly.  Backward (Note [sharpening without NaN]) reuses
@@ -280,7 +281,7 @@ def sharpen(c: Tensor, p: float | Tensor) -> Tensor:
     return _Sharpen.apply(c, p)[0]
 
 
-class _UnitKernels(torch.autograd.Function):
+class _UnitKernels(Function):
     """w_hat = w / max(||w||, eps) for each flattened kernel (the w_hat of thesis eq. 3.1), by hand.
 
     Backward: dw = (g - w_hat (g . w_hat)) / max(||w||, eps), without the projection where the norm is

@@ -37,6 +37,7 @@ from torch import Tensor
 from torch.autograd import forward_ad
 from torch.autograd.function import once_differentiable
 
+from .._autograd import Function
 from .._checks import integer
 from ..energy import BATCHED_MAX, hyperspherical_energy
 from ..energy.batched import PointSets, SetEnergies
@@ -219,7 +220,7 @@ def _bmm(a: Tensor, b: Tensor, out: Tensor | None = None, beta: float = 1.0) -> 
     return product.unflatten(0, batch)
 
 
-class _UnrolledProjection(torch.autograd.Function):
+class _UnrolledProjection(Function):
     """:func:`unrolled_projection`, its backward in x written out (Note [the unrolled step's backward]).  Returns the
     stepped projections and, as outputs that carry no gradient, what the backward reads."""
 

@@ -39,6 +39,7 @@ import math
 import torch
 from torch import Tensor
 
+from .._autograd import Function
 from .._checks import integer, real_number
 from ..geometry import max_abs_scale
 from ..launches import on_accelerator  # the GPU forms; tests make it say True
@@ -197,7 +198,7 @@ def cholesky_qr(u: Tensor, rows: bool = True) -> Tensor:
     return (q if rows else q.mT).to(u.dtype)
 
 
-class _CholeskyLQ(torch.autograd.Function):
+class _CholeskyLQ(Function):
     """(Q, L) with A = L Q, L L^T = A A^T plus a ridge of rounding size, L lower triangular (:func:`cholesky_qr`);
     the gradient reaches A through Q only, by the closed form of Note [the LQ backward].
 

@@ -1,0 +1,135 @@
+"""What one operation costs the host, by the way it is issued: the fixed price of every kernel on a GPU.
+
+Where kernels are small, eager PyTorch on a GPU waits on the host: the operations a regulariser adds to a CNN-9 step
+cost 20-35 µs each on the H200 and H100 runs, and the fused margin heads and patch epilogue, which replace many aten
+operations by a few custom operators that launch Triton kernels, lost to the reference paths wherever the work was
+small.  Whether a fused path can pay depends on what each of its calls costs the host, which this measures.
+
+Each candidate issues ``CALLS`` calls on a one-element tensor without waiting, then waits once, so its time per call
+is the host's (each kernel ends before the next is issued).  The candidates: an aten ``add`` (the baseline); the same
+recorded for autograd; a ``torch.autograd.Function`` around it, in the form whose forward takes the context, in the
+form with ``setup_context`` (every node of the library) and on the library's base, which skips the standard ``apply``'s
+signature binding (Note [a lean apply] in :mod:`sphereml._autograd`); a ``torch.library.custom_op`` around it, without
+and with a registered autograd formula (how :mod:`sphereml.heads.margin_ce` and :mod:`sphereml.layers.patch_epilogue`
+register their kernels); and, with Triton and CUDA, a one-block Triton kernel launched directly and from inside a
+custom operator (:mod:`benchmarks._launch_kernels`).  The result file gives microseconds per call beside the ratios.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sphereml._autograd import Function
+from sphereml.energy.triton_backend import usable_on
+
+from .harness import compare, save, smoke_or
+
+CALLS = 200  # calls per timed candidate call
+
+
+@torch.library.custom_op("sphereml_bench::add_one", mutates_args=())
+def _add_one(x: torch.Tensor) -> torch.Tensor:
+    """x + 1, as a custom operator (no autograd formula)."""
+    return x + 1
+
+
+@_add_one.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("sphereml_bench::add_one_differentiable", mutates_args=())
+def _add_one_differentiable(x: torch.Tensor) -> torch.Tensor:
+    """x + 1, as a custom operator with an autograd formula."""
+    return x + 1
+
+
+@_add_one_differentiable.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+_add_one_differentiable.register_autograd(lambda ctx, grad: grad)
+
+
+class _AddOneWithContext(torch.autograd.Function):
+    """x + 1 as an autograd node whose forward takes the context (the older form, which torch.func cannot use)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x + 1
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+class _AddOne(torch.autograd.Function):
+    """x + 1 as an autograd node with ``setup_context``, the form of the library's nodes."""
+
+    @staticmethod
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        return x + 1
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+class _LeanAddOne(Function):
+    """The same node on the library's base (Note [a lean apply] in :mod:`sphereml._autograd`)."""
+
+    forward, setup_context, backward = _AddOne.forward, _AddOne.setup_context, _AddOne.backward
+
+
+@torch.library.custom_op("sphereml_bench::triton_add_one", mutates_args=())
+def _triton_add_one(x: torch.Tensor) -> torch.Tensor:
+    """x + 1 by a Triton kernel inside a custom operator: the fused paths' pattern."""
+    from ._launch_kernels import add_one
+
+    return add_one(x)
+
+
+@_triton_add_one.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+def _repeated(fn, x: torch.Tensor, calls: int):
+    def run():
+        for _ in range(calls):
+            fn(x)
+
+    return run
+
+
+def run(device: torch.device, calls: int = CALLS) -> dict:
+    calls = smoke_or(calls, 2)
+    x = torch.zeros(1, device=device)
+    leaf = torch.zeros(1, device=device, requires_grad=True)
+    candidates = {
+        "aten add": _repeated(lambda t: t + 1, x, calls),
+        "aten add, autograd": _repeated(lambda t: t + 1, leaf, calls),
+        "autograd.Function, forward(ctx, x)": _repeated(_AddOneWithContext.apply, leaf, calls),
+        "autograd.Function, setup_context": _repeated(_AddOne.apply, leaf, calls),
+        "sphereml Function (lean apply)": _repeated(_LeanAddOne.apply, leaf, calls),
+        "custom_op": _repeated(_add_one, x, calls),
+        "custom_op, autograd": _repeated(_add_one_differentiable, leaf, calls),
+    }
+    if usable_on(x) and x.is_cuda:  # the interpreter's launches on the CPU say nothing about a GPU's
+        from ._launch_kernels import add_one
+
+        candidates["Triton kernel"] = _repeated(add_one, x, calls)
+        candidates["Triton kernel in a custom_op"] = _repeated(_triton_add_one, x, calls)
+    print(f"--- host time per call, {calls} calls of each on a one-element tensor, waited for once")
+    result = compare("launch_overhead", candidates, baseline="aten add", device=device, repeats=5,
+                     extra={"calls": calls})
+    result["microseconds_per_call"] = {label: 1e6 * seconds / calls for label, seconds in result["seconds"].items()}
+    for label, micro in result["microseconds_per_call"].items():
+        print(f"launch_overhead                {label:36s} {micro:7.1f} µs per call")
+    save(result, "launch_overhead", device)  # again, with the time per call
+    return result
