@@ -258,3 +258,35 @@ def test_on_device_keeps_one_copy_per_gpu():
     data = TensorDataset(torch.randn(10, 3), torch.arange(10))
     moved = on_device(data, "cuda")
     assert on_device(data, "cuda:0") is moved and on_device(moved, "cuda") is moved
+
+
+def test_a_fit_step_adds_three_operations_to_the_bare_step(toy):
+    """Note [a step's bookkeeping]: beyond the step itself (loss, backward, optimiser), ``fit`` cuts the batch (two
+    gathers) and keeps the predictions (an argmax); the casts, comparisons and counts happen once per epoch, so the
+    difference per step does not depend on the number of steps, and the history is what those counts make."""
+    from sphereml import launches
+    from sphereml.train import default_loss
+
+    train_set, _ = toy  # 135 examples
+    small = TensorDataset(*(t[:64] for t in train_set.tensors))
+    per_epoch = {len(data): launches.count_ops(lambda data=data: fit(
+        make(dropout=False), data, epochs=1, batch_size=8, optimizer="sgd", device="cpu", progress=False)).total
+        for data in (small, TensorDataset(*(t[:128] for t in train_set.tensors)))}
+    model = make(dropout=False)
+    opt = torch.optim.SGD(model.parameters(), 1e-3, momentum=0.9)
+    x, y = small.tensors[0][:8], small.tensors[1][:8]
+
+    def bare_step():
+        loss, _ = default_loss(model, x, y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+
+    bare_step()  # the optimiser's state exists from the first step, as in fit's later steps
+    per_step = (per_epoch[128] - per_epoch[64]) / 8
+    assert per_step - launches.count_ops(bare_step).total == 3
+    history = fit(make(), small, epochs=2, batch_size=8, device="cpu", progress=False)  # 8 steps of 8 an epoch
+    assert history["train_loss"][-1] == pytest.approx(sum(history.steps[8:]) / 8, rel=1e-12)
+    assert all(isinstance(v, float) for v in history.steps)  # read back as Python floats, from float64
+    right = [a * 64 for a in history["train_acc"]]
+    assert right == [round(r) for r in right] and 0 < right[-1] <= 64  # whole counts of correct predictions

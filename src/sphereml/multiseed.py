@@ -46,6 +46,7 @@ from torch.func import functional_call, vmap
 from torch.utils.data import Dataset
 
 from ._checks import integer, real_number
+from ._step_records import StepRecords
 from .train import (History, LossFn, StepState, Tracker, batches, default_loss, evaluate,
                     make_optimizer, on_device, penalty_of, resolve_device)
 
@@ -235,8 +236,7 @@ def fit_seeds(models: Sequence[nn.Module], train_data: Dataset, *, seeds: Sequen
         t0 = time.perf_counter()
         for model in models:
             model.train()  # as fit: the first model's forward runs, the others' mode follows it
-        losses, penalties, sizes = [], [], []
-        correct = torch.zeros(len(models), dtype=torch.long, device=dev)
+        records = StepRecords()  # read back once per epoch (Note [a step's bookkeeping])
         orders = [torch.Generator().manual_seed(seed * 1_000_003 + epoch) for seed in seeds]  # as fit draws them
         for per_seed in zip(*(batches(train_data, batch_size, True, order) for order in orders)):
             x, y = (torch.stack(parts).to(dev, non_blocking=True) for parts in zip(*per_seed))
@@ -260,18 +260,14 @@ def fit_seeds(models: Sequence[nn.Module], train_data: Dataset, *, seeds: Sequen
                 penalty = penalty + _seed_penalties(regularizer, models, params)
             (loss + penalty).sum().backward()  # the seeds do not interact: each slice gets its own gradient
             opt.step()
-            losses.append(loss.detach().double())
-            penalties.append(penalty.detach().double())
-            sizes.append(y.shape[1])
-            if has_logits[0]:
-                correct += (logits.argmax(-1) == y).sum(1)
+            records.add(loss, penalty, logits if has_logits[0] else None, y, y.shape[1])
             step_count += 1
             for callback in shared:
                 callback.stacked(step_count, models[0], params)
-            _call_trackers(callbacks, step_count, epoch, losses[-1], models, opt, params, buffers)
+            _call_trackers(callbacks, step_count, epoch, records.losses[-1], models, opt, params, buffers)
         if sched is not None:
             sched.step()
-        _record(histories, losses, penalties, sizes, correct if has_logits and has_logits[0] else None, epoch)
+        _record(histories, records, epoch)
         if val_data is not None:
             _validate(histories, models, params, buffers, val_data, max(batch_size, 512), dev, loss_fn)
         for history in histories:
@@ -425,13 +421,12 @@ def _call_trackers(callbacks, step: int, epoch: int, losses: Tensor, models, opt
             tracker(StepState(step=step, epoch=epoch, loss_tensor=losses[i], model=model, optimizer=opt))
 
 
-def _record(histories: list[History], losses: list[Tensor], penalties: list[Tensor], sizes: list[int],
-            correct: Tensor | None, epoch: int) -> None:
+def _record(histories: list[History], records: StepRecords, epoch: int) -> None:
     """Each seed's epoch record, from its steps' losses and penalties (read back once per epoch, one device sync)."""
-    count = len(histories)
-    both = torch.stack([torch.stack(losses), torch.stack(penalties)]).permute(2, 0, 1).tolist() if losses else \
-        [[[], []] for _ in histories]  # [seed][loss or penalty][step]
-    counts = correct.tolist() if correct is not None else [None] * count
+    losses, penalties, sizes, correct = records.losses, records.penalties, records.sizes, records.correct()
+    both = (torch.stack([torch.stack(losses), torch.stack(penalties)]).double().permute(2, 0, 1).tolist() if losses
+            else [[[], []] for _ in histories])  # [seed][loss or penalty][step]
+    counts = correct.tolist() if correct is not None else [None] * len(histories)
     seen = max(sum(sizes), 1)
     for history, (steps, regs), right in zip(histories, both, counts):
         history.steps.extend(steps)

@@ -39,6 +39,7 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from . import _io, distributed
 from ._checks import integer, real_number
+from ._step_records import StepRecords
 
 __all__ = [
     "seed_everything", "resolve_device", "fit", "evaluate", "collect_outputs",
@@ -318,9 +319,7 @@ def fit(model: nn.Module, train_data: Dataset, *, epochs: int, batch_size: int =
         model.train()
         t0 = time.perf_counter()
         order = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
-        losses, regs, sizes = [], [], []  # per-step tensors, read back once per epoch (one device sync)
-        correct = torch.zeros((), dtype=torch.long, device=dev)
-        counted = False  # whether the loss gave logits to count correct predictions with
+        records = StepRecords()  # read back once per epoch, one device sync (Note [a step's bookkeeping])
         for batch in batches(train_data, batch_size, True, order):
             total = len(batch[0])
             if world is not None:  # Note [data parallel fit]: this rank's share of the global batch
@@ -345,21 +344,17 @@ def fit(model: nn.Module, train_data: Dataset, *, epochs: int, batch_size: int =
             if world is not None:
                 distributed.broadcast_from_rank0(model)
             step += 1
-            losses.append(loss.detach().double())
-            if reg is not None:
-                regs.append(reg.detach().double())
-            sizes.append(len(y))
-            if logits is not None:
-                correct += (logits.argmax(1) == y).sum()
-                counted = True
+            records.add(loss, reg, logits, y, len(y))
             for cb in callbacks:
-                cb(StepState(step=step, epoch=epoch, loss_tensor=losses[-1], model=model, optimizer=opt))
+                cb(StepState(step=step, epoch=epoch, loss_tensor=records.losses[-1], model=model, optimizer=opt))
         if sched is not None:
             sched.step()
+        correct, losses, sizes = records.correct(), records.losses, records.sizes
+        counted = correct is not None  # whether the loss gave logits to count correct predictions with
         if world is not None:  # the whole batches' losses and counts, summed over the ranks
+            correct = correct if counted else torch.zeros((), dtype=torch.long, device=dev)
             losses, sizes, correct = distributed.merge_batch_records(losses, sizes, correct)
-        loss_values = torch.stack(losses).tolist() if losses else []
-        reg_values = torch.stack(regs).tolist() if regs else []
+        loss_values, reg_values = StepRecords.values(losses), StepRecords.values(records.penalties)
         history.steps.extend(loss_values)
         seen = sum(sizes)
         total_loss = sum(v * n for v, n in zip(loss_values, sizes))
