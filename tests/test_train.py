@@ -290,3 +290,28 @@ def test_a_fit_step_adds_three_operations_to_the_bare_step(toy):
     assert all(isinstance(v, float) for v in history.steps)  # read back as Python floats, from float64
     right = [a * 64 for a in history["train_acc"]]
     assert right == [round(r) for r in right] and 0 < right[-1] <= 64  # whole counts of correct predictions
+
+
+@pytest.mark.parametrize("name", ["adam", "sgd"])
+def test_named_optimisers_fuse_their_update_on_cuda_only(toy, name):
+    """make_optimizer's fused kernels (one launch per update on CUDA) make the default form's update up to rounding:
+    checked with PyTorch's fused CPU kernels over a short fit; on the CPU fit keeps the default form."""
+    from functools import partial
+
+    from sphereml.train import make_optimizer
+
+    train_set, _ = toy
+    assert make_optimizer(name, make().parameters(), 1e-2, 1e-4, 0.9).defaults["fused"] is None  # the CPU: default
+    kind = {"adam": torch.optim.Adam, "sgd": partial(torch.optim.SGD, momentum=0.9)}[name]
+    weights = []
+    for fused in (None, True):
+        model = make(dropout=False)
+        fit(model, train_set, epochs=2, batch_size=16, device="cpu", progress=False,
+            optimizer=lambda params, fused=fused: kind(params, lr=1e-2, weight_decay=1e-4, fused=fused))
+        weights.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
+    start = torch.cat([p.detach().flatten() for p in make(dropout=False).parameters()])
+    assert torch.allclose(weights[0], weights[1], rtol=1e-5, atol=1e-6)
+    assert (weights[0] - start).abs().max() > 1e-2  # the two trained the same, and trained
+    if torch.cuda.is_available():
+        params = [p.cuda() for p in make().parameters()]
+        assert make_optimizer(name, params, 1e-2, 1e-4, 0.9).defaults["fused"] is True

@@ -209,13 +209,18 @@ def batches(data: Dataset, batch_size: int, shuffle: bool = False,
 
 
 def make_optimizer(optimizer, params, lr: float, weight_decay: float, momentum: float):
-    """``"sgd"`` (with ``momentum``), ``"adam"`` or ``callable(params)``: the optimiser :func:`fit` builds."""
+    """``"sgd"`` (with ``momentum``), ``"adam"`` or ``callable(params)``: the optimiser :func:`fit` builds.  On CUDA
+    the named ones take PyTorch's fused kernels (``fused=True``), the same update up to rounding in one launch, where
+    the multi-tensor form issues dozens of operations a step that a small network's host waits for (Adam: 90 for a
+    narrow CNN-9's 40 tensors against 4 fused, counted on the CPU); the CPU keeps PyTorch's default."""
+    params = list(params)
+    fused = True if params and all(isinstance(p, Tensor) and p.is_cuda for p in params) else None  # None: default
     if callable(optimizer):
         return optimizer(params)
     if optimizer == "sgd":
-        return torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay)
+        return torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay, fused=fused)
     if optimizer == "adam":
-        return torch.optim.Adam(params, lr=lr, weight_decay=weight_decay)
+        return torch.optim.Adam(params, lr=lr, weight_decay=weight_decay, fused=fused)
     raise ValueError(f"optimizer must be 'sgd', 'adam' or a callable, got {optimizer!r}")
 
 
