@@ -313,5 +313,40 @@ def test_named_optimisers_fuse_their_update_on_cuda_only(toy, name):
     assert torch.allclose(weights[0], weights[1], rtol=1e-5, atol=1e-6)
     assert (weights[0] - start).abs().max() > 1e-2  # the two trained the same, and trained
     if torch.cuda.is_available():
-        params = [p.cuda() for p in make().parameters()]
-        assert make_optimizer(name, params, 1e-2, 1e-4, 0.9).defaults["fused"] is True
+        assert make_optimizer(name, make().cuda().parameters(), 1e-2, 1e-4, 0.9).defaults["fused"] is True
+
+
+def test_step_records_copy_what_cuda_graphs_would_overwrite_and_count_per_seed():
+    """Note [a step's bookkeeping]: with ``copy`` (fit compiled into CUDA graphs) the records own their values; the
+    counts are fit's (class dimension 1, any trailing dimensions) and fit_seeds' (one per seed)."""
+    from sphereml._step_records import StepRecords
+
+    loss, penalty = torch.tensor(2.0), torch.tensor(0.5, dtype=torch.float64)
+    for copy in (False, True):
+        records = StepRecords(copy=copy)
+        records.add(loss, penalty, None, torch.zeros(3), 3)
+        shares = [kept.data_ptr() == made.data_ptr() for kept, made in zip(records.losses + records.penalties,
+                                                                           (loss, penalty))]
+        assert shares == [not copy, not copy] and records.correct() is None
+        assert StepRecords.values(records.losses + [torch.tensor(1.5)]) == [2.0, 1.5]
+    records = StepRecords()
+    logits = torch.tensor([[[0.0, 1.0], [1.0, 0.0]], [[1.0, 0.0], [1.0, 0.0]]])  # (B=2, C=2, L=2)
+    records.add(loss, None, logits, torch.tensor([[1, 1], [0, 0]]), 2)
+    records.add(loss, None, logits[:1], torch.tensor([[0, 0]]), 1)  # a smaller last batch
+    assert records.correct().item() == 3 + 1
+    seeds = StepRecords(class_dim=-1, seeds=True)
+    for _ in range(2):  # (S=2, B=3, C=2)
+        seeds.add(loss, None, torch.tensor([[[1.0, 0.0]] * 3, [[0.0, 1.0]] * 3]), torch.tensor([[0, 0, 1]] * 2), 3)
+    assert seeds.correct().tolist() == [4, 2]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_fit_compiled_into_cuda_graphs_keeps_its_losses(toy):
+    """A step replayed from CUDA graphs overwrites its previous loss: fit's records and a callback's loss must be
+    copies (Note [a step's bookkeeping])."""
+    train, _ = toy
+    seen = []
+    history = fit(make(dropout=False), train, epochs=2, batch_size=16, device="cuda", progress=False,
+                  compile="reduce-overhead", callbacks=[lambda state: seen.append(state.loss_tensor)])
+    assert len(history.steps) == len(seen) >= 6 and all(math.isfinite(v) for v in history.steps)
+    assert [float(t) for t in seen] == history.steps

@@ -6,7 +6,9 @@ Note [a step's bookkeeping]
     rest runs once per epoch: the casts to float64 (the same values), the comparison and the count.  One operation
     a step (the argmax) where there were five (a cast, the argmax, a comparison, a sum and an accumulation; six with
     a penalty to cast), so that a ``fit`` step costs 3 operations more than the bare step (the batch's two gathers
-    and the argmax; ``tests/test_train.py``).
+    and the argmax; ``tests/test_train.py``).  A step compiled into CUDA graphs (``fit(compile="reduce-overhead")``)
+    returns its loss in the graphs' memory, which its next replay overwrites: there each loss and penalty is copied
+    (``copy=True``), as the old cast to float64 copied them.
 """
 
 from __future__ import annotations
@@ -18,10 +20,14 @@ __all__ = ["StepRecords"]
 
 
 class StepRecords:
-    """The steps of one epoch: ``losses`` and ``penalties`` (detached tensors, as the steps made them), ``sizes``
-    (samples per step) and the predictions and labels from which :meth:`correct` counts."""
+    """The steps of one epoch: ``losses`` and ``penalties`` (detached tensors, as the steps made them, or copies with
+    ``copy``), ``sizes`` (samples per step) and the predictions and labels from which :meth:`correct` counts.
 
-    def __init__(self):
+    ``class_dim``: the logits' class dimension (1 for ``fit``'s Tensor[B, C, ...]); ``seeds``: stacked steps of
+    ``fit_seeds`` (logits Tensor[S, B, C], labels Tensor[S, B]), counted per seed."""
+
+    def __init__(self, class_dim: int = 1, seeds: bool = False, copy: bool = False):
+        self.class_dim, self.seeds, self.copy = class_dim, seeds, copy
         self.losses: list[Tensor] = []
         self.penalties: list[Tensor] = []
         self.sizes: list[int] = []
@@ -30,12 +36,12 @@ class StepRecords:
 
     def add(self, loss: Tensor, penalty: Tensor | None, logits: Tensor | None, labels: Tensor, size: int) -> None:
         """One step: its loss, its penalty (None: not recorded), its logits (None: not counted) and labels."""
-        self.losses.append(loss.detach())
+        self.losses.append(loss.detach().clone() if self.copy else loss.detach())
         if penalty is not None:
-            self.penalties.append(penalty.detach())
+            self.penalties.append(penalty.detach().clone() if self.copy else penalty.detach())
         self.sizes.append(size)
         if logits is not None:
-            self._predictions.append(logits.argmax(-1))
+            self._predictions.append(logits.argmax(self.class_dim))
             self._labels.append(labels)
 
     def correct(self) -> Tensor | None:
@@ -43,7 +49,9 @@ class StepRecords:
         logits: one comparison and one sum for the whole epoch."""
         if not self._predictions:
             return None
-        return torch.cat(self._predictions, -1).eq(torch.cat(self._labels, -1)).sum(-1)
+        batch = 1 if self.seeds else 0
+        hits = torch.cat(self._predictions, batch).eq(torch.cat(self._labels, batch))
+        return hits.flatten(1).sum(1) if self.seeds else hits.sum()
 
     @staticmethod
     def values(tensors: list[Tensor]) -> list:

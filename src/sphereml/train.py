@@ -210,9 +210,8 @@ def batches(data: Dataset, batch_size: int, shuffle: bool = False,
 
 def make_optimizer(optimizer, params, lr: float, weight_decay: float, momentum: float):
     """``"sgd"`` (with ``momentum``), ``"adam"`` or ``callable(params)``: the optimiser :func:`fit` builds.  On CUDA
-    the named ones take PyTorch's fused kernels (``fused=True``), the same update up to rounding in one launch, where
-    the multi-tensor form issues dozens of operations a step that a small network's host waits for (Adam: 90 for a
-    narrow CNN-9's 40 tensors against 4 fused, counted on the CPU); the CPU keeps PyTorch's default."""
+    the named ones are fused (``fused=True``: the same update up to rounding in a few launches, where Adam's default
+    issues 90 operations a step for a narrow CNN-9, counted on the CPU); the CPU keeps PyTorch's default."""
     params = list(params)
     fused = True if params and all(isinstance(p, Tensor) and p.is_cuda for p in params) else None  # None: default
     if callable(optimizer):
@@ -324,7 +323,7 @@ def fit(model: nn.Module, train_data: Dataset, *, epochs: int, batch_size: int =
         model.train()
         t0 = time.perf_counter()
         order = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
-        records = StepRecords()  # read back once per epoch, one device sync (Note [a step's bookkeeping])
+        records = StepRecords(copy=dev.type == "cuda" and compile in CUDA_GRAPH_MODES)  # Note [a step's bookkeeping]
         for batch in batches(train_data, batch_size, True, order):
             total = len(batch[0])
             if world is not None:  # Note [data parallel fit]: this rank's share of the global batch
@@ -357,8 +356,8 @@ def fit(model: nn.Module, train_data: Dataset, *, epochs: int, batch_size: int =
         correct, losses, sizes = records.correct(), records.losses, records.sizes
         counted = correct is not None  # whether the loss gave logits to count correct predictions with
         if world is not None:  # the whole batches' losses and counts, summed over the ranks
-            correct = correct if counted else torch.zeros((), dtype=torch.long, device=dev)
-            losses, sizes, correct = distributed.merge_batch_records(losses, sizes, correct)
+            losses, sizes, correct = distributed.merge_batch_records(losses, sizes, correct if counted else
+                                                                     torch.zeros((), dtype=torch.long, device=dev))
         loss_values, reg_values = StepRecords.values(losses), StepRecords.values(records.penalties)
         history.steps.extend(loss_values)
         seen = sum(sizes)
@@ -396,6 +395,7 @@ def penalty_of(regularizer) -> Tensor | None:
 
 
 COMPILE_MODES = (False, True, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")  # those whose outputs live in CUDA graphs' memory
 
 
 def _step_objective(model: nn.Module, loss_fn: LossFn, regularizer, compile) -> Callable:
