@@ -27,28 +27,18 @@ from .harness import compare, save, smoke_or
 CALLS = 200  # calls per timed candidate call
 
 
-@torch.library.custom_op("sphereml_bench::add_one", mutates_args=())
-def _add_one(x: torch.Tensor) -> torch.Tensor:
-    """x + 1, as a custom operator (no autograd formula)."""
-    return x + 1
+def _custom_add_one(name: str):
+    """x + 1 as the custom operator ``sphereml_bench::<name>``, with its fake (no autograd formula yet)."""
+    @torch.library.custom_op(f"sphereml_bench::{name}", mutates_args=())
+    def add_one(x: torch.Tensor) -> torch.Tensor:
+        return x + 1
+
+    add_one.register_fake(torch.empty_like)
+    return add_one
 
 
-@_add_one.register_fake
-def _(x):
-    return torch.empty_like(x)
-
-
-@torch.library.custom_op("sphereml_bench::add_one_differentiable", mutates_args=())
-def _add_one_differentiable(x: torch.Tensor) -> torch.Tensor:
-    """x + 1, as a custom operator with an autograd formula."""
-    return x + 1
-
-
-@_add_one_differentiable.register_fake
-def _(x):
-    return torch.empty_like(x)
-
-
+_add_one = _custom_add_one("add_one")
+_add_one_differentiable = _custom_add_one("add_one_differentiable")
 _add_one_differentiable.register_autograd(lambda ctx, grad: grad)
 
 
