@@ -334,7 +334,7 @@ def test_step_records_copy_what_cuda_graphs_would_overwrite_and_count_per_seed()
     records.add(loss, None, logits, torch.tensor([[1, 1], [0, 0]]), 2)
     records.add(loss, None, logits[:1], torch.tensor([[0, 0]]), 1)  # a smaller last batch
     assert records.correct().item() == 3 + 1
-    seeds = StepRecords(class_dim=-1, seeds=True)
+    seeds = StepRecords(seeds=True)
     for _ in range(2):  # (S=2, B=3, C=2)
         seeds.add(loss, None, torch.tensor([[[1.0, 0.0]] * 3, [[0.0, 1.0]] * 3]), torch.tensor([[0, 0, 1]] * 2), 3)
     assert seeds.correct().tolist() == [4, 2]

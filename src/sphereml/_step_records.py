@@ -23,11 +23,11 @@ class StepRecords:
     """The steps of one epoch: ``losses`` and ``penalties`` (detached tensors, as the steps made them, or copies with
     ``copy``), ``sizes`` (samples per step) and the predictions and labels from which :meth:`correct` counts.
 
-    ``class_dim``: the logits' class dimension (1 for ``fit``'s Tensor[B, C, ...]); ``seeds``: stacked steps of
-    ``fit_seeds`` (logits Tensor[S, B, C], labels Tensor[S, B]), counted per seed."""
+    The logits' classes are along dimension 1 (``fit``'s Tensor[B, C, ...]), or 2 with ``seeds``: the stacked steps
+    of ``fit_seeds`` (logits Tensor[S, B, C], labels Tensor[S, B]), counted per seed."""
 
-    def __init__(self, class_dim: int = 1, seeds: bool = False, copy: bool = False):
-        self.class_dim, self.seeds, self.copy = class_dim, seeds, copy
+    def __init__(self, seeds: bool = False, copy: bool = False):
+        self.seeds, self.copy = seeds, copy
         self.losses: list[Tensor] = []
         self.penalties: list[Tensor] = []
         self.sizes: list[int] = []
@@ -41,7 +41,7 @@ class StepRecords:
             self.penalties.append(penalty.detach().clone() if self.copy else penalty.detach())
         self.sizes.append(size)
         if logits is not None:
-            self._predictions.append(logits.argmax(self.class_dim))
+            self._predictions.append(logits.argmax(2 if self.seeds else 1))
             self._labels.append(labels)
 
     def correct(self) -> Tensor | None:

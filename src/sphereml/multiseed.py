@@ -236,7 +236,7 @@ def fit_seeds(models: Sequence[nn.Module], train_data: Dataset, *, seeds: Sequen
         t0 = time.perf_counter()
         for model in models:
             model.train()  # as fit: the first model's forward runs, the others' mode follows it
-        records = StepRecords(class_dim=-1, seeds=True)  # read back once per epoch (Note [a step's bookkeeping])
+        records = StepRecords(seeds=True)  # read back once per epoch (Note [a step's bookkeeping])
         orders = [torch.Generator().manual_seed(seed * 1_000_003 + epoch) for seed in seeds]  # as fit draws them
         for per_seed in zip(*(batches(train_data, batch_size, True, order) for order in orders)):
             x, y = (torch.stack(parts).to(dev, non_blocking=True) for parts in zip(*per_seed))

@@ -212,10 +212,10 @@ def make_optimizer(optimizer, params, lr: float, weight_decay: float, momentum: 
     """``"sgd"`` (with ``momentum``), ``"adam"`` or ``callable(params)``: the optimiser :func:`fit` builds.  On CUDA
     the named ones are fused (``fused=True``: the same update up to rounding in a few launches, where Adam's default
     issues 90 operations a step for a narrow CNN-9, counted on the CPU); the CPU keeps PyTorch's default."""
-    params = list(params)
-    fused = True if params and all(isinstance(p, Tensor) and p.is_cuda for p in params) else None  # None: default
     if callable(optimizer):
         return optimizer(params)
+    params = list(params)
+    fused = True if params and all(isinstance(p, Tensor) and p.is_cuda for p in params) else None  # None: default
     if optimizer == "sgd":
         return torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay, fused=fused)
     if optimizer == "adam":
