@@ -9,10 +9,12 @@ Each candidate issues ``CALLS`` calls on a one-element tensor without waiting, t
 is the host's (each kernel ends before the next is issued).  The candidates: an aten ``add`` (the baseline); the same
 recorded for autograd; a ``torch.autograd.Function`` around it, in the form whose forward takes the context, in the
 form with ``setup_context`` (every node of the library) and on the library's base, which skips the standard ``apply``'s
-signature binding (Note [a lean apply] in :mod:`sphereml._autograd`); a ``torch.library.custom_op`` around it, without
-and with a registered autograd formula (how :mod:`sphereml.heads.margin_ce` and :mod:`sphereml.layers.patch_epilogue`
-register their kernels); and, with Triton and CUDA, a one-block Triton kernel launched directly and from inside a
-custom operator (:mod:`benchmarks._launch_kernels`).  The result file gives microseconds per call beside the ratios.
+signature binding (Note [a lean apply] in :mod:`sphereml._autograd`); a ``torch.library.custom_op`` around it,
+without and with a registered autograd formula, and with gradients off, as the library calls its kernels' operators
+inside its autograd nodes, both as is and defined through :func:`sphereml._custom_ops.custom_op`, which calls the
+implementation directly there (Note [direct eager calls]); and, with Triton and CUDA, a one-block Triton kernel
+launched directly and from inside either custom operator (:mod:`benchmarks._launch_kernels`).  The result file gives
+microseconds per call beside the ratios.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from sphereml._autograd import Function
+from sphereml._custom_ops import custom_op
 from sphereml.energy.triton_backend import usable_on
 
 from .harness import compare, save, smoke_or
@@ -27,9 +30,10 @@ from .harness import compare, save, smoke_or
 CALLS = 200  # calls per timed candidate call
 
 
-def _custom_add_one(name: str):
-    """x + 1 as the custom operator ``sphereml_bench::<name>``, with its fake (no autograd formula yet)."""
-    @torch.library.custom_op(f"sphereml_bench::{name}", mutates_args=())
+def _custom_add_one(name: str, define=torch.library.custom_op):
+    """x + 1 as the custom operator ``sphereml_bench::<name>``, with its fake (no autograd formula yet), defined by
+    ``torch.library.custom_op`` or the library's :func:`sphereml._custom_ops.custom_op`."""
+    @define(f"sphereml_bench::{name}", mutates_args=())
     def add_one(x: torch.Tensor) -> torch.Tensor:
         return x + 1
 
@@ -40,6 +44,7 @@ def _custom_add_one(name: str):
 _add_one = _custom_add_one("add_one")
 _add_one_differentiable = _custom_add_one("add_one_differentiable")
 _add_one_differentiable.register_autograd(lambda ctx, grad: grad)
+_direct_add_one = _custom_add_one("direct_add_one", custom_op)
 
 
 class _AddOneWithContext(torch.autograd.Function):
@@ -89,10 +94,23 @@ def _(x):
     return torch.empty_like(x)
 
 
-def _repeated(fn, x: torch.Tensor, calls: int):
+@custom_op("sphereml_bench::direct_triton_add_one", mutates_args=())
+def _direct_triton_add_one(x: torch.Tensor) -> torch.Tensor:
+    """The same through :func:`sphereml._custom_ops.custom_op`: called directly in plain eager calls."""
+    from ._launch_kernels import add_one
+
+    return add_one(x)
+
+
+_direct_triton_add_one.register_fake(torch.empty_like)
+
+
+def _repeated(fn, x: torch.Tensor, calls: int, grad: bool = True):
+    """The ``calls`` calls; with ``grad=False`` under ``torch.no_grad``, as inside an autograd node's forward."""
     def run():
-        for _ in range(calls):
-            fn(x)
+        with torch.set_grad_enabled(grad):
+            for _ in range(calls):
+                fn(x)
 
     return run
 
@@ -109,12 +127,15 @@ def run(device: torch.device, calls: int = CALLS) -> dict:
         "sphereml Function (lean apply)": _repeated(_LeanAddOne.apply, leaf, calls),
         "custom_op": _repeated(_add_one, x, calls),
         "custom_op, autograd": _repeated(_add_one_differentiable, leaf, calls),
+        "custom_op, no grad": _repeated(_add_one, x, calls, grad=False),
+        "sphereml custom_op, no grad": _repeated(_direct_add_one, x, calls, grad=False),
     }
     if usable_on(x) and x.is_cuda:  # the interpreter's launches on the CPU say nothing about a GPU's
         from ._launch_kernels import add_one
 
         candidates["Triton kernel"] = _repeated(add_one, x, calls)
-        candidates["Triton kernel in a custom_op"] = _repeated(_triton_add_one, x, calls)
+        candidates["Triton kernel in a custom_op"] = _repeated(_triton_add_one, x, calls, grad=False)
+        candidates["Triton kernel in a sphereml custom_op"] = _repeated(_direct_triton_add_one, x, calls, grad=False)
     print(f"--- host time per call, {calls} calls of each on a one-element tensor, waited for once")
     result = compare("launch_overhead", candidates, baseline="aten add", device=device, repeats=5,
                      extra={"calls": calls})

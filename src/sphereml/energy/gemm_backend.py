@@ -36,6 +36,7 @@ import torch
 from torch import Tensor
 
 from .._checks import integer
+from .._custom_ops import custom_op
 from .kernels import CLOSE_R2
 from .triton_backend import power_path
 
@@ -58,9 +59,9 @@ def _kernels():
     return triton, _gemm_kernels
 
 
-@torch.library.custom_op("sphereml::energy_pair_sums", mutates_args=("gram",))
-def _pair_sums(gram: Tensor, q: Tensor, sq: Tensor, start: int, s: float, eps: float,
-               with_grad: bool) -> tuple[Tensor, Tensor, Tensor]:
+@custom_op("sphereml::energy_pair_sums", mutates_args=("gram",))
+def energy_pair_sums(gram: Tensor, q: Tensor, sq: Tensor, start: int, s: float, eps: float,
+                     with_grad: bool) -> tuple[Tensor, Tensor, Tensor]:
     """(values, dsum: Tensor[b, tiles], flags: Tensor[b / BM, tiles], int32) of the Gram block ``gram`` of rows
     start ... start + b - 1; with ``with_grad`` the far pairs' D written over ``gram`` (``pair_kernel``)."""
     triton, kernels = _kernels()
@@ -77,7 +78,7 @@ def _pair_sums(gram: Tensor, q: Tensor, sq: Tensor, start: int, s: float, eps: f
     return values, dsum, flags
 
 
-@_pair_sums.register_fake
+@energy_pair_sums.register_fake
 def _(gram, q, sq, start, s, eps, with_grad):
     bm, bn, _ = _kernels()[1].PAIR_BLOCKS
     b, tiles = len(gram), -(-len(q) // bn)
@@ -85,8 +86,8 @@ def _(gram, q, sq, start, s, eps, with_grad):
             q.new_empty(-(-b // bm), tiles if with_grad else 0, dtype=torch.int32))
 
 
-@torch.library.custom_op("sphereml::energy_close_gradient", mutates_args=("rows",))
-def _close_gradient(rows: Tensor, q: Tensor, sq: Tensor, flags: Tensor, start: int, s: float, eps: float) -> None:
+@custom_op("sphereml::energy_close_gradient", mutates_args=("rows",))
+def energy_close_gradient(rows: Tensor, q: Tensor, sq: Tensor, flags: Tensor, start: int, s: float, eps: float) -> None:
     """Adds the close pairs of the flagged tiles to ``rows``, the gradient of rows start ... start + b - 1
     (``close_gradient_kernel``)."""
     triton, kernels = _kernels()
@@ -99,7 +100,7 @@ def _close_gradient(rows: Tensor, q: Tensor, sq: Tensor, flags: Tensor, start: i
         POWER=power_path(s), BM=bm, BN=bn, BDO=bdo, FB=fb, num_warps=warps, num_stages=1)
 
 
-@_close_gradient.register_fake
+@energy_close_gradient.register_fake
 def _(rows, q, sq, flags, start, s, eps):
     return None
 
@@ -109,12 +110,11 @@ def _block(q: Tensor, sq: Tensor, start: int, stop: int, buffer: Tensor, s: floa
     """The sum over the rows start:stop of f over their pairs (0-d float64); with ``grad``, those rows of the
     gradient sum_j D_ij (q_j - q_i) written into it.  Two cuBLAS products and the two kernels' custom operators."""
     gram = torch.mm(q[start:stop], q.T, out=buffer[:stop - start])  # (b, M)
-    values, dsum, flags = torch.ops.sphereml.energy_pair_sums(gram, q, sq, start, float(s), float(eps),
-                                                               grad is not None)
+    values, dsum, flags = energy_pair_sums(gram, q, sq, start, float(s), float(eps), grad is not None)
     if grad is not None:
         rows = torch.mm(gram, q, out=grad[start:stop])  # (D Q)_i of the far pairs: (b, d)
         rows.addcmul_(dsum.sum(1, keepdim=True), q[start:stop], value=-1.0)
-        torch.ops.sphereml.energy_close_gradient(rows, q, sq, flags, start, float(s), float(eps))
+        energy_close_gradient(rows, q, sq, flags, start, float(s), float(eps))
     return values.sum(dtype=torch.float64)
 
 

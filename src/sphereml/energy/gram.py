@@ -28,6 +28,7 @@ from torch import Tensor
 from torch._C._functorch import is_functorch_wrapped_tensor
 
 from .._autograd import Function
+from .._custom_ops import custom_op
 from .triton_backend import choose_backend, power_path, usable_on
 
 __all__ = ["gram_energies", "gram_energies_reference", "CPU_CHUNK", "PAIRS_BACKEND", "pairs_fused"]
@@ -187,28 +188,28 @@ def _kernel_params(s: float, eps: float, device: torch.device) -> Tensor:
     return _PARAMS[key]
 
 
-@torch.library.custom_op("sphereml::gram_pair_energies", mutates_args=())
-def _pair_energies(gram: Tensor, minus: Tensor, plus: Tensor | None, s: float, eps: float) -> Tensor:
+@custom_op("sphereml::gram_pair_energies", mutates_args=())
+def gram_pair_energies(gram: Tensor, minus: Tensor, plus: Tensor | None, s: float, eps: float) -> Tensor:
     """The euclidean forward of :class:`_GramEnergies`: one kernel pass (and the partial sums' sum)."""
     if usable_on(gram):
         return _pair_launch(gram, minus, plus, s, eps)
     return _energy_chunk(gram, minus, plus, s, "euclidean", eps)
 
 
-@_pair_energies.register_fake
+@gram_pair_energies.register_fake
 def _(gram, minus, plus, s, eps):
     return gram.new_empty(gram.shape[0])
 
 
-@torch.library.custom_op("sphereml::gram_pair_gradient", mutates_args=())
-def _pair_gradient(gram: Tensor, minus: Tensor, plus: Tensor | None, grad: Tensor, s: float, eps: float) -> Tensor:
+@custom_op("sphereml::gram_pair_gradient", mutates_args=())
+def gram_pair_gradient(gram: Tensor, minus: Tensor, plus: Tensor | None, grad: Tensor, s: float, eps: float) -> Tensor:
     """The euclidean backward of :class:`_GramEnergies`: dE/dgram times ``grad``, one kernel pass."""
     if usable_on(gram):
         return _pair_launch(gram, minus, plus, s, eps, grad)
     return _gradient_chunk(gram, minus, plus, grad, s, "euclidean", eps)
 
 
-@_pair_gradient.register_fake
+@gram_pair_gradient.register_fake
 def _(gram, minus, plus, grad, s, eps):
     return torch.empty_like(gram)
 
@@ -230,7 +231,7 @@ class _GramEnergies(Function):
     @staticmethod
     def forward(gram, minus, plus, s, metric, eps):
         if pairs_fused(gram, metric):
-            return torch.ops.sphereml.gram_pair_energies(gram, minus, plus, s, eps)
+            return gram_pair_energies(gram, minus, plus, s, eps)
         chunks = _chunks(gram)
         if len(chunks) == 1:  # a GPU's one chunk: no concatenation (a copy) of a single part
             return _energy_chunk(gram, minus, plus, s, metric, eps)
@@ -242,7 +243,7 @@ class _GramEnergies(Function):
         gram, minus, plus = ctx.saved_tensors
         s, metric, eps = ctx.options
         if pairs_fused(gram, metric):
-            return torch.ops.sphereml.gram_pair_gradient(gram, minus, plus, grad, s, eps), None, None, None, None, None
+            return gram_pair_gradient(gram, minus, plus, grad, s, eps), None, None, None, None, None
         chunks = _chunks(gram)
         if len(chunks) == 1:
             return _gradient_chunk(gram, minus, plus, grad, *ctx.options), None, None, None, None, None

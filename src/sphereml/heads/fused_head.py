@@ -25,7 +25,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .margin_tail import TAIL_KINDS, anneal_weights
+from .margin_ce import margin_ce_grad, margin_ce_lse, margin_ce_norms
+from .margin_tail import TAIL_KINDS, anneal_weights, margin_tail_operator
 
 __all__ = ["FEATURE_EPS", "fused_margin_loss"]
 
@@ -35,18 +36,17 @@ FEATURE_EPS = 1e-12  # the floor of geometry.normalize, and of the class norms
 class _FusedMarginLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, labels, kind, m, s, a, b, normalize_weight, return_logits):
-        ops = torch.ops.sphereml
-        w_norm, w_inv, w_dinv = ops.margin_ce_norms(weight, FEATURE_EPS if normalize_weight else 0.0)
+        w_norm, w_inv, w_dinv = margin_ce_norms(weight, FEATURE_EPS if normalize_weight else 0.0)
         if s > 0 or kind != "plain":  # the features' norms: to normalise them, or as the target's scale
-            x_norm, x_inv, x_dinv = ops.margin_ce_norms(x, FEATURE_EPS if s > 0 else 0.0)
+            x_norm, x_inv, x_dinv = margin_ce_norms(x, FEATURE_EPS if s > 0 else 0.0)
         else:
             x_norm = x_inv = x_dinv = w_norm[:0]  # a view: no operation
         x_scale = x_inv * s if s > 0 else None
         product_input = x * x_scale[:, None].to(x.dtype) if s > 0 else x
         raw = product_input @ weight.T  # (B, C): the one product, in autocast's dtype where autocast is on
         inv = w_inv if normalize_weight else w_inv[:0]
-        rest, raw_y, logits = ops.margin_ce_lse(raw, inv, labels, normalize_weight, return_logits)
-        loss, row_grad, label_grad, x_norm_grad, w_norm_grad = ops.margin_tail(
+        rest, raw_y, logits = margin_ce_lse(raw, inv, labels, normalize_weight, return_logits)
+        loss, row_grad, label_grad, x_norm_grad, w_norm_grad = margin_tail_operator(
             rest, raw_y, inv, x_norm if s <= 0 else x_norm[:0], w_norm if not normalize_weight else w_norm[:0],
             labels, kind, m, s, a, b)
         ctx.save_for_backward(x, weight, labels, raw, product_input, rest, row_grad, label_grad, w_inv, w_dinv,
@@ -64,8 +64,8 @@ class _FusedMarginLoss(torch.autograd.Function):
         if grad_loss is None:
             return (None,) * 10
         normalized = ctx.normalize_weight
-        g, colsum = torch.ops.sphereml.margin_ce_grad(raw, w_inv if normalized else w_inv[:0], labels, rest, row_grad,
-                                                      label_grad, normalized, True, grad_loss)
+        g, colsum = margin_ce_grad(raw, w_inv if normalized else w_inv[:0], labels, rest, row_grad,
+                                   label_grad, normalized, True, grad_loss)
         grad_x = grad_w = None
         if ctx.needs_input_grad[1]:
             grad_w = (g.T @ product_input.to(g.dtype)).to(weight.dtype)

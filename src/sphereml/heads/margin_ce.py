@@ -29,7 +29,8 @@ Only B values change, so the head computes t_b itself (O(B) work), and :func:`ma
   The passes are Triton kernels (:mod:`sphereml.heads._margin_kernels`) on CUDA tensors, and on CPU tensors
   under ``TRITON_INTERPRET=1``; elsewhere the same passes run as PyTorch operations.  All are custom
   operators (``torch.ops.sphereml.margin_ce_norms`` / ``margin_ce_lse`` / ``margin_ce_grad``), so the fused
-  loss traces under ``torch.compile(fullgraph=True)``.  Loss scales stay device tensors (no host copy).
+  loss traces under ``torch.compile(fullgraph=True)``; eager calls skip the dispatcher (Note [direct eager calls] in
+  :mod:`sphereml._custom_ops`).  Loss scales stay device tensors (no host copy).
 
 ``"auto"`` takes ``"reference"``, or ``"fused"`` on CUDA tensors with Triton installed where
 ``SPHEREML_FUSED=1`` (:func:`~sphereml.energy.triton_backend.choose_backend` gives the measurements).
@@ -43,6 +44,7 @@ from torch import Tensor
 from torch._C._functorch import is_functorch_wrapped_tensor
 
 from .._autograd import Function
+from .._custom_ops import custom_op
 from ..energy.triton_backend import choose_backend, launchable, usable_on
 from ..geometry import safe_norm
 
@@ -129,8 +131,8 @@ def _logits_dtype(raw: Tensor, has_inv: bool) -> torch.dtype:
     return _accumulation_dtype(raw) if has_inv else raw.dtype
 
 
-@torch.library.custom_op("sphereml::margin_ce_norms", mutates_args=())
-def _norms(weight: Tensor, eps: float) -> tuple[Tensor, Tensor, Tensor]:
+@custom_op("sphereml::margin_ce_norms", mutates_args=())
+def margin_ce_norms(weight: Tensor, eps: float) -> tuple[Tensor, Tensor, Tensor]:
     """For every row: (||W_j||, inv_j = 1 / max(||W_j||, eps) (0 for a zero row when eps = 0), dinv_j = -inv_j where
     ||W_j|| >= eps and 0 elsewhere), each Tensor[C], float32 (float64 for float64); one pass over W on the kernels.
     d inv_j / dW_j = dinv_j inv_j^2 W_j, so dinv carries the gradient through the norm's floor."""
@@ -142,15 +144,15 @@ def _norms(weight: Tensor, eps: float) -> tuple[Tensor, Tensor, Tensor]:
     return norm, inv, -inv * ((norm >= eps) & (norm > 0))
 
 
-@_norms.register_fake
+@margin_ce_norms.register_fake
 def _(weight, eps):
     norm = weight.new_empty(weight.shape[0], dtype=_accumulation_dtype(weight))
     return norm, torch.empty_like(norm), torch.empty_like(norm)
 
 
-@torch.library.custom_op("sphereml::margin_ce_lse", mutates_args=())
-def _lse(raw: Tensor, inv: Tensor, labels: Tensor, has_inv: bool,
-         write_logits: bool) -> tuple[Tensor, Tensor, Tensor]:
+@custom_op("sphereml::margin_ce_lse", mutates_args=())
+def margin_ce_lse(raw: Tensor, inv: Tensor, labels: Tensor, has_inv: bool,
+                  write_logits: bool) -> tuple[Tensor, Tensor, Tensor]:
     """(log sum_{j != y_b} exp(z_bj) for every row b: Tensor[B], float32 (float64 for float64); the label
     column of the product, raw_b,y_b: Tensor[B], as lse; the logits z with ``write_logits``, else empty)."""
     if _on_kernels(raw):
@@ -162,16 +164,16 @@ def _lse(raw: Tensor, inv: Tensor, labels: Tensor, has_inv: bool,
     return rest, raw_y, logits
 
 
-@_lse.register_fake
+@margin_ce_lse.register_fake
 def _(raw, inv, labels, has_inv, write_logits):
     rows = raw.new_empty(raw.shape[0], dtype=_accumulation_dtype(raw))
     logits = raw.new_empty(raw.shape if write_logits else (0,), dtype=_logits_dtype(raw, has_inv))
     return rows, torch.empty_like(rows), logits
 
 
-@torch.library.custom_op("sphereml::margin_ce_grad", mutates_args=())
-def _grad(raw: Tensor, inv: Tensor, labels: Tensor, lse: Tensor, row_scale: Tensor, label_grad: Tensor,
-          has_inv: bool, has_label_grad: bool, scale: Tensor | None = None) -> tuple[Tensor, Tensor]:
+@custom_op("sphereml::margin_ce_grad", mutates_args=())
+def margin_ce_grad(raw: Tensor, inv: Tensor, labels: Tensor, lse: Tensor, row_scale: Tensor, label_grad: Tensor,
+                   has_inv: bool, has_label_grad: bool, scale: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """(g' = (row_scale * softmax over the columns j != y_b, label_grad on the label column) * inv, all times the
     0-d ``scale`` when given: Tensor[B, C] in raw's dtype; column sums of g' * z: Tensor[C] as lse, empty without
     ``has_inv``)."""
@@ -190,7 +192,7 @@ def _grad(raw: Tensor, inv: Tensor, labels: Tensor, lse: Tensor, row_scale: Tens
     return g.to(raw.dtype), (g * z).sum(0)
 
 
-@_grad.register_fake
+@margin_ce_grad.register_fake
 def _(raw, inv, labels, lse, row_scale, label_grad, has_inv, has_label_grad, scale=None):
     return raw.new_empty(raw.shape), raw.new_empty(raw.shape[1] if has_inv else 0, dtype=_accumulation_dtype(raw))
 
@@ -255,9 +257,9 @@ class _FusedLabelSplit(torch.autograd.Function):
         raw = x @ weight.T  # (B, C): the one product, in autocast's dtype where autocast is on
         norm = inv = dinv = torch.empty(0, dtype=_accumulation_dtype(raw), device=raw.device)
         if normalize_weight or want_label_norms:
-            norm, inv, dinv = torch.ops.sphereml.margin_ce_norms(weight, eps if normalize_weight else 0.0)
-        rest, raw_y, logits = torch.ops.sphereml.margin_ce_lse(raw, inv if normalize_weight else inv[:0], labels,
-                                                               normalize_weight, return_logits)
+            norm, inv, dinv = margin_ce_norms(weight, eps if normalize_weight else 0.0)
+        rest, raw_y, logits = margin_ce_lse(raw, inv if normalize_weight else inv[:0], labels,
+                                            normalize_weight, return_logits)
         logit_y = raw_y * inv[labels] if normalize_weight else raw_y
         label_norms = norm[labels] if want_label_norms else rest.new_empty(0)
         ctx.save_for_backward(x, weight, raw, inv, dinv, rest, labels, norm if want_label_norms else None)
@@ -272,14 +274,14 @@ class _FusedLabelSplit(torch.autograd.Function):
         x, weight, raw, inv, dinv, rest, labels, norm = ctx.saved_tensors
         row_scale = grad_rest if grad_rest is not None else torch.zeros_like(rest)
         label_grad = grad_logit_y if grad_logit_y is not None else rest.new_empty(0)
-        g, colsum = torch.ops.sphereml.margin_ce_grad(raw, inv if ctx.normalize_weight else inv[:0], labels, rest,
-                                                      row_scale.to(rest.dtype), label_grad.to(rest.dtype),
-                                                      ctx.normalize_weight, grad_logit_y is not None)
+        g, colsum = margin_ce_grad(raw, inv if ctx.normalize_weight else inv[:0], labels, rest,
+                                   row_scale.to(rest.dtype), label_grad.to(rest.dtype),
+                                   ctx.normalize_weight, grad_logit_y is not None)
         grad_x = (g @ weight.to(g.dtype)).to(x.dtype) if ctx.needs_input_grad[0] else None
         grad_w = None
         if ctx.needs_input_grad[1]:
             grad_w = (g.T @ x.to(g.dtype)).to(weight.dtype)
-            coeff = colsum * dinv if ctx.normalize_weight else None  # d inv_j = dinv_j inv_j^2 W_j: Note in _norms
+            coeff = colsum * dinv if ctx.normalize_weight else None  # d inv_j = dinv_j inv_j^2 W_j: margin_ce_norms
             if ctx.want_label_norms and grad_label_norms is not None:  # d||W_j|| / dW_j = W_j / ||W_j||, 0 at 0
                 per_class = torch.zeros_like(norm).index_add_(0, labels, grad_label_norms.to(norm.dtype))
                 unit = inv if not ctx.normalize_weight else torch.where(norm > 0, norm, 1.0).reciprocal() * (norm > 0)

@@ -45,6 +45,7 @@ import math
 import torch
 from torch import Tensor
 
+from .._custom_ops import custom_op
 from ..energy.triton_backend import launchable, usable_on
 from .targets import arcface_psi, multiplicative_branch, psi
 
@@ -128,9 +129,10 @@ def _reference_tail(rest, raw_y, inv, x_norm, w_norm, labels, kind, m, s, a, b):
     return (total - t).mean(), p, -p * dt_dz, x_grad, w_grad
 
 
-@torch.library.custom_op("sphereml::margin_tail", mutates_args=())
-def _tail(rest: Tensor, raw_y: Tensor, inv: Tensor, x_norm: Tensor, w_norm: Tensor, labels: Tensor, kind: str,
-          m: float, s: float, a: float, b: float) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+@custom_op("sphereml::margin_tail", mutates_args=())
+def margin_tail_operator(rest: Tensor, raw_y: Tensor, inv: Tensor, x_norm: Tensor, w_norm: Tensor, labels: Tensor,
+                         kind: str, m: float, s: float, a: float,
+                         b: float) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(L, dL/drest: Tensor[B], dL/dz: Tensor[B], dL/d||x_b|| (empty when s > 0), dL/d||W_y_b|| (empty without
     ``w_norm``)), all in rest's dtype; z_b = raw_y_b inv_y_b (raw_y_b without ``inv``)."""
     if usable_on(rest) and rest.dtype != torch.float64:
@@ -138,7 +140,7 @@ def _tail(rest: Tensor, raw_y: Tensor, inv: Tensor, x_norm: Tensor, w_norm: Tens
     return _reference_tail(rest, raw_y, inv, x_norm, w_norm, labels, kind, m, s, a, b)
 
 
-@_tail.register_fake
+@margin_tail_operator.register_fake
 def _(rest, raw_y, inv, x_norm, w_norm, labels, kind, m, s, a, b):
     return (rest.new_empty(()), torch.empty_like(rest), torch.empty_like(rest),
             rest.new_empty(0 if s > 0 else rest.shape[0]), rest.new_empty(rest.shape[0] if w_norm.numel() else 0))
@@ -192,5 +194,5 @@ def margin_tail(rest: Tensor, raw_y: Tensor, inv: Tensor, x_norm: Tensor, w_norm
         raise ValueError(f"s None scales by ||x_b||: x_norm must be Tensor[{rest.shape[0]}], got "
                          f"{tuple(x_norm.shape)}")
     a, b = anneal_weights(lam)
-    return torch.ops.sphereml.margin_tail(rest, raw_y, inv, x_norm, w_norm, labels, kind, float(m),
-                                          0.0 if s is None else float(s), a, b)
+    return margin_tail_operator(rest, raw_y, inv, x_norm, w_norm, labels, kind, float(m),
+                                0.0 if s is None else float(s), a, b)

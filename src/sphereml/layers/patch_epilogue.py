@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .._custom_ops import custom_op
 from ..energy.triton_backend import choose_backend, usable_on
 
 __all__ = ["EPILOGUES", "resolve_backend", "squared_patch_norms", "fused_epilogue", "per_channel"]
@@ -87,28 +88,28 @@ def _launch(kind: str, inner: Tensor, sq: Tensor, q, q_value, a, a_value, mag, e
             grad_mag if mag is not None else sq.new_empty(0))
 
 
-@torch.library.custom_op("sphereml::patch_epilogue", mutates_args=())
-def _forward_op(inner: Tensor, sq: Tensor, q: Tensor | None, q_value: float | None, a: Tensor | None,
-                a_value: float | None, mag: Tensor | None, epilogue: int, groups: int, eps: float) -> Tensor:
+@custom_op("sphereml::patch_epilogue", mutates_args=())
+def patch_epilogue(inner: Tensor, sq: Tensor, q: Tensor | None, q_value: float | None, a: Tensor | None,
+                   a_value: float | None, mag: Tensor | None, epilogue: int, groups: int, eps: float) -> Tensor:
     """y = mag f(clamp(inner / (sqrt(max(sq, eps^2)) + q), -1, 1)), f the epilogue with parameter a: one kernel."""
     return _launch("forward", inner, sq, q, q_value, a, a_value, mag, epilogue, groups, eps)
 
 
-@_forward_op.register_fake
+@patch_epilogue.register_fake
 def _(inner, sq, q, q_value, a, a_value, mag, epilogue, groups, eps):
     return inner.new_empty(inner.shape)
 
 
-@torch.library.custom_op("sphereml::patch_epilogue_backward", mutates_args=())
-def _backward_op(grad: Tensor, inner: Tensor, sq: Tensor, q: Tensor | None, q_value: float | None, a: Tensor | None,
-                 a_value: float | None, mag: Tensor | None, epilogue: int, groups: int,
-                 eps: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+@custom_op("sphereml::patch_epilogue_backward", mutates_args=())
+def patch_epilogue_backward(grad: Tensor, inner: Tensor, sq: Tensor, q: Tensor | None, q_value: float | None,
+                            a: Tensor | None, a_value: float | None, mag: Tensor | None, epilogue: int, groups: int,
+                            eps: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(dL/dinner, dL/dm: Tensor[B, G, H', W'], dL/da: Tensor[C_out], dL/dmag: Tensor[B, G, H', W']; the last
     two empty without a tensor a or mag): one kernel."""
     return _launch("backward", inner, sq, q, q_value, a, a_value, mag, epilogue, groups, eps, grad)
 
 
-@_backward_op.register_fake
+@patch_epilogue_backward.register_fake
 def _(grad, inner, sq, q, q_value, a, a_value, mag, epilogue, groups, eps):
     return (inner.new_empty(inner.shape), sq.new_empty(sq.shape), sq.new_empty(inner.shape[1] if a is not None else 0),
             sq.new_empty(sq.shape if mag is not None else (0,)))
@@ -131,14 +132,14 @@ class _FusedEpilogue(torch.autograd.Function):
         mag = None if mag is None else mag.float().contiguous()
         ctx.save_for_backward(inner, sq, *(_split(v)[0] for v in (q, a)), mag)
         ctx.numbers, ctx.settings = (_split(q)[1], _split(a)[1]), (epilogue, groups, eps)
-        return torch.ops.sphereml.patch_epilogue(inner, sq, *_split(q), *_split(a), mag, epilogue, groups, eps)
+        return patch_epilogue(inner, sq, *_split(q), *_split(a), mag, epilogue, groups, eps)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad):
         inner, sq, q, a, mag = ctx.saved_tensors
         epilogue, groups, eps = ctx.settings
-        grad_inner, grad_m, grad_a, grad_mag = torch.ops.sphereml.patch_epilogue_backward(
+        grad_inner, grad_m, grad_a, grad_mag = patch_epilogue_backward(
             grad, inner, sq, q, ctx.numbers[0], a, ctx.numbers[1], mag, epilogue, groups, eps)
         grad_q = grad_m.sum().to(q.dtype) if q is not None and ctx.needs_input_grad[2] else None
         grad_a = grad_a.to(a.dtype) if a is not None and ctx.needs_input_grad[3] else None
