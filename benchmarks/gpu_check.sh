@@ -2,7 +2,7 @@
 # The one command for a GPU box, from the repository root (no papermill, jupytext or internet needed):
 #
 #   bash benchmarks/gpu_check.sh [tests] [bench[:NAME,NAME...]] [scaling] [profile] [profile-step]
-#                                [chapter:NAME|chapters|chapters-at-once]
+#                                [chapter:NAME[,NAME...]|chapters|chapters-at-once[:NAME,NAME...]]
 #
 # with no argument: tests and bench.  Each part has its own time limit and prints what failed by name:
 #   tests     the test suite on CUDA (pytest -n auto, every file whose packages a GPU box has, TEST_TIMEOUT 300 s
@@ -20,8 +20,9 @@
 #             what the compiler made of it and a warm step's peak memory, with TORCH_LOGS=cudagraphs (why CUDA
 #             graphs were skipped or recorded again; NAMES: other regularisers of benchmarks/bench_comhe.py, one
 #             word each)                                                                 (PROFILE_LIMIT, 120 s)
-#   chapter:NAME / chapters   a chapter's gpu profile (all nine, one after another; chapters-at-once: all at
-#             once, one thread each), run as a script made by jupytext beforehand
+#   chapter:NAME / chapters   a chapter's gpu profile (the listed ones or all nine, one after another;
+#             chapters-at-once[:NAME,...]: the listed ones or all at once, the cores shared out among them, each
+#             chapter's clock then that of a shared GPU), run as a script made by jupytext beforehand
 #             (`make gpu-scripts` writes benchmarks/chapters/NAME.py, ignored by git: carry it)
 #             with metrics.json under _build/runs/NAME; SPHEREML_GPU_TINY=1 in the environment
 #             runs the same code at smoke sizes first, to check it   (CHAPTER_LIMIT, 600 s)
@@ -134,15 +135,20 @@ for part in "${PARTS[@]}"; do
       TORCH_LOGS=${TORCH_LOGS-cudagraphs} step profile-step "${PROFILE_LIMIT:-120}" $PY -m benchmarks.profile_step \
         ${NAMES:-none HS-MHE}
       ;;
-    chapter:*|chapters|chapters-at-once)
-      chapters=${part#chapter:}
-      [ "$part" != "chapter:$chapters" ] \
+    chapter:*|chapters|chapters-at-once|chapters-at-once:*)
+      chapters=${part#*:}
+      [ "$chapters" = "$part" ] \
         && chapters=$(ls benchmarks/chapters/*.py 2>/dev/null | xargs -n1 basename | sed 's/\.py$//')
+      chapters=${chapters//,/ }
       ran+=($chapters)
+      # shellcheck disable=SC2086  # the names, one word each
+      set -- $chapters
+      threads=$(( $(nproc) / ($# > 0 ? $# : 1) ))  # the cores shared out among chapters run at once
+      [ "$threads" -ge 1 ] || threads=1
       for name in $chapters; do
-        if [ "$part" = chapters-at-once ]; then  # all at once, one thread each: their metrics.json list each
+        if [ "${part%%:*}" = chapters-at-once ]; then  # at once, the cores shared: their metrics.json list each
           # training's seconds as it ends, so a chapter stopped by its limit still measures its throughput
-          OMP_NUM_THREADS=1 SPHEREML_PROFILE=gpu SPHEREML_RESUME=$resume \
+          OMP_NUM_THREADS=$threads SPHEREML_PROFILE=gpu SPHEREML_RESUME=$resume \
             step "chapter-$name" "${CHAPTER_LIMIT:-600}" $PY "benchmarks/chapters/$name.py" &
         else
           SPHEREML_PROFILE=gpu SPHEREML_RESUME=$resume step "chapter-$name" "${CHAPTER_LIMIT:-600}" \
