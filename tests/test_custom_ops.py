@@ -3,11 +3,14 @@ everywhere else (Note [direct eager calls] in :mod:`sphereml._custom_ops`)."""
 
 from __future__ import annotations
 
+import ast
 import importlib
 import pkgutil
+from pathlib import Path
 
 import pytest
 import torch
+from torch.autograd import forward_ad
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import sphereml
@@ -29,15 +32,25 @@ def _(x, y, scale):
     return torch.empty_like(x)
 
 
+@custom_op("sphereml_test::add_into", mutates_args=("out",))
+def _add_into(out: torch.Tensor, x: torch.Tensor) -> None:
+    out.data.add_(x)  # as a kernel writes through the pointer: no version bump of its own
+
+
+@_add_into.register_fake
+def _(out, x):
+    return None
+
+
 @pytest.fixture
 def dispatched(monkeypatch):
     """Records the calls that reach the registered operator (the dispatcher's path)."""
     calls = []
     packet = _scaled_sum.packet
 
-    def record(*args):
+    def record(*args, **kwargs):
         calls.append(args)
-        return packet(*args)
+        return packet(*args, **kwargs)
 
     monkeypatch.setattr(_scaled_sum, "packet", record)
     return calls
@@ -85,6 +98,50 @@ def test_a_function_mode_goes_to_the_operator(dispatched):
     assert len(dispatched) == 1
 
 
+def test_a_tensor_subclass_goes_to_the_operator(dispatched):
+    class Tagged(torch.Tensor):
+        pass
+
+    with torch.no_grad():
+        out = _scaled_sum(torch.randn(3).as_subclass(Tagged), torch.randn(3), 1.0)
+    assert len(dispatched) == 1 and type(out) is Tagged
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")  # forward AD
+def test_keywords_and_forward_mode_go_to_the_operator(dispatched):
+    x, tangent = torch.randn(3), torch.ones(3)
+    with torch.no_grad():
+        _scaled_sum(x, x, scale=1.0)
+        with forward_ad.dual_level():
+            _scaled_sum(forward_ad.make_dual(x, tangent), x, 1.0)
+    assert len(dispatched) == 2
+
+
+def test_a_mutating_operator_bumps_the_version_counter_either_way(monkeypatch):
+    x = torch.ones(3)
+    for direct in (True, False):
+        monkeypatch.setattr(_custom_ops, "plain_eager", lambda args, direct=direct: direct)
+        out = torch.zeros(3)
+        with torch.no_grad():
+            _add_into(out, x)
+        assert out._version == 1 and torch.equal(out, x)
+
+
+def test_an_operator_must_name_what_it_mutates():
+    with pytest.raises(ValueError, match="mutates_args"):
+        custom_op("sphereml_test::unknown_mutation", mutates_args="unknown")(lambda x: None)
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.trace` is deprecated:DeprecationWarning")
+def test_jit_and_fx_traces_hold_the_operator():
+    x, y = torch.randn(3), torch.randn(3)
+    with torch.no_grad():
+        traced = torch.jit.trace(lambda a, b: _scaled_sum(a, b, 2.0), (x, y))
+    assert "sphereml_test::scaled_sum" in str(traced.graph)
+    graph = torch.fx.symbolic_trace(lambda a, b: _scaled_sum(a, b, 2.0)).graph
+    assert any("scaled_sum" in str(node.target) for node in graph.nodes), graph
+
+
 def test_compiled_graphs_hold_the_operator():
     graphs = []
 
@@ -113,11 +170,16 @@ def _library_modules():
 
 
 def test_every_library_operator_is_called_directly_in_eager_mode():
-    """Each sphereml:: operator is defined through :func:`custom_op`, so no eager call pays the dispatcher."""
+    """Each sphereml:: operator is defined through :func:`custom_op`, and the library calls the Operator, never
+    ``torch.ops.sphereml`` (which would pay the dispatcher on every call)."""
     defined = {value.name for module in _library_modules() for value in vars(module).values()
                if isinstance(value, Operator)}
     registered = {name for name in torch._C._dispatch_get_all_op_names() if name.startswith("sphereml::")}
     assert len(registered) >= 10 and registered <= defined, registered - defined
+    dispatched_calls = [f"{path.name}:{node.lineno}" for path in Path(sphereml.__file__).parent.rglob("*.py")
+                        for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.Attribute)
+                        and ast.unparse(node).startswith("torch.ops.sphereml")]
+    assert dispatched_calls == []
 
 
 @pytest.mark.parametrize("autocast", [False, True])
