@@ -6,11 +6,12 @@ Note [direct eager calls]
     operator with a fake implementation.  In eager mode the price is the dispatcher's round trip through Python: with
     gradients off, a one-argument ``custom_op`` cost 11.9 µs of host time here against 3.7 µs called directly and
     2.3 µs for an aten ``add`` (``python -m benchmarks launches``), and two of the margin heads' operators, of three
-    outputs each, about 19 µs more than their implementations.  On a GPU whose host issues
-    every launch, that is paid once per kernel.  The library calls its operators inside its autograd nodes' forward
-    and backward (and :func:`sphereml.heads.margin_tail.margin_tail` from wherever it is called), where gradients are
-    off and the operator's autograd, autocast and device kernels have nothing to do (none has an autocast kernel:
-    autocast reaches the operations inside it either way).
+    outputs each, about 19 µs more than their implementations.  On a GPU whose host issues every launch, that is
+    paid once per kernel.  The library calls its operators inside its autograd nodes' forward and backward, where
+    gradients are off and the operator's autograd, autocast and device kernels have nothing to do (none has an
+    autocast kernel: autocast reaches the operations inside it either way); the public
+    :func:`sphereml.heads.margin_tail.margin_tail` may be called anywhere, and with gradients on reaches the
+    operator.
 
     :func:`custom_op` defines the operator as ``torch.library.custom_op`` does and returns an :class:`Operator`,
     whose call runs the Python implementation directly when the call is plain eager: not traced by
