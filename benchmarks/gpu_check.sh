@@ -22,7 +22,8 @@
 #             word each)                                                                 (PROFILE_LIMIT, 120 s)
 #   chapter:NAME / chapters   a chapter's gpu profile (the listed ones or all nine, one after another;
 #             chapters-at-once[:NAME,...]: the listed ones or all at once, the cores shared out among them, each
-#             chapter's clock then that of a shared GPU), run as a script made by jupytext beforehand
+#             chapter's clock then that of a shared GPU, said in its metrics.json as runs_beside), run as a script
+#             made by jupytext beforehand
 #             (`make gpu-scripts` writes benchmarks/chapters/NAME.py, ignored by git: carry it)
 #             with metrics.json under _build/runs/NAME; SPHEREML_GPU_TINY=1 in the environment
 #             runs the same code at smoke sizes first, to check it   (CHAPTER_LIMIT, 600 s)
@@ -148,7 +149,7 @@ for part in "${PARTS[@]}"; do
       for name in $chapters; do
         if [ "${part%%:*}" = chapters-at-once ]; then  # at once, the cores shared: their metrics.json list each
           # training's seconds as it ends, so a chapter stopped by its limit still measures its throughput
-          OMP_NUM_THREADS=$threads SPHEREML_PROFILE=gpu SPHEREML_RESUME=$resume \
+          OMP_NUM_THREADS=$threads SPHEREML_RUNS_BESIDE=$(($# - 1)) SPHEREML_PROFILE=gpu SPHEREML_RESUME=$resume \
             step "chapter-$name" "${CHAPTER_LIMIT:-600}" $PY "benchmarks/chapters/$name.py" &
         else
           SPHEREML_PROFILE=gpu SPHEREML_RESUME=$resume step "chapter-$name" "${CHAPTER_LIMIT:-600}" \

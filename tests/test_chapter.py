@@ -222,6 +222,18 @@ def test_seeds_train_together_in_the_full_scale_profiles_unless_told_otherwise(t
         chapter.Chapter("demo", profile="gpu", device="cpu", output_dir=str(tmp_path))
 
 
+def test_a_run_records_how_many_others_shared_its_device(tmp_path, monkeypatch):
+    """gpu_check.sh chapters-at-once sets SPHEREML_RUNS_BESIDE, so that no one takes such a run's clock for its own
+    (recipes.paper_estimate refuses it)."""
+    monkeypatch.delenv("SPHEREML_RUNS_BESIDE", raising=False)
+    assert chapter.Chapter("demo", profile="smoke", device="cpu", output_dir=str(tmp_path)).metrics["runs_beside"] == 0
+    monkeypatch.setenv("SPHEREML_RUNS_BESIDE", "2")
+    assert chapter.Chapter("demo", profile="smoke", device="cpu", output_dir=str(tmp_path)).metrics["runs_beside"] == 2
+    monkeypatch.setenv("SPHEREML_RUNS_BESIDE", "-1")
+    with pytest.raises(ValueError, match="SPHEREML_RUNS_BESIDE must be a whole number"):
+        chapter.Chapter("demo", profile="smoke", device="cpu", output_dir=str(tmp_path))
+
+
 def test_fit_seeds_one_after_another_is_fit_seed_by_seed(tmp_path, monkeypatch):
     monkeypatch.setenv("SPHEREML_SEEDS_TOGETHER", "0")
     ch = chapter.Chapter("demo", profile="cpu", device="cpu", seed=0, output_dir=str(tmp_path))

@@ -125,6 +125,7 @@ def test_runs_are_the_sources_in_the_paper_profile_only(tmp_path):
 @pytest.mark.parametrize("changes, match", [
     (dict(tiny=True), "tiny gpu run"),
     (dict(profile="cpu"), "'cpu' run"),
+    (dict(runs_beside=2), "ran beside 2 other"),
     (dict(fits=[{"recipe": None, "epochs": 3, "n_train": 10, "seconds": 1.0}]), "CIFAR archives missing"),
 ])
 def test_paper_estimate_refuses_runs_that_cannot_say(changes, match):

@@ -125,6 +125,9 @@ class Chapter:
         if together not in ("", "0", "1"):
             raise ValueError(f"SPHEREML_SEEDS_TOGETHER must be 0 or 1, got {together!r}")
         self.seeds_together = together == "1" if together else self.full_scale
+        beside = os.environ.get("SPHEREML_RUNS_BESIDE", "0")
+        if not beside.isdigit():
+            raise ValueError(f"SPHEREML_RUNS_BESIDE must be a whole number, got {beside!r}")
         self.seed = integer("seed", seed, at_least=0)
         seed_everything(seed)
         self._started = time.perf_counter()
@@ -139,6 +142,7 @@ class Chapter:
             "claims": [], "tiny": self.tiny, "fits": [], "elapsed_seconds": 0.0,
             "seeds_together": self.seeds_together,
             "backends": configure_backends(self.profile, self.device),
+            "runs_beside": int(beside),  # other runs on the device at once (gpu_check.sh chapters-at-once)
         }
         self.figures: list[str] = []
         self._trained_on = weakref.WeakKeyDictionary()  # model -> the data ch.fit trained it on

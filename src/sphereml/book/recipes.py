@@ -168,11 +168,15 @@ def paper_estimate(metrics: dict) -> dict:
         ``section``, ``epochs``, ``seconds``, ``paper_epochs``, ``runs`` and ``estimated_s``.
 
     Raises:
-        ValueError: the run is not a full ``gpu`` run, or it trained nothing with a recipe.
+        ValueError: the run is not a full ``gpu`` run, it shared the device with other runs (``runs_beside``),
+            or it trained nothing with a recipe.
     """
     if metrics.get("profile") != "gpu" or metrics.get("tiny"):
         kind = "a tiny gpu run" if metrics.get("tiny") else f"a {metrics.get('profile')!r} run"
         raise ValueError(f"the estimate scales a full gpu run; this is {kind}")
+    if metrics.get("runs_beside"):  # gpu_check.sh chapters-at-once: its clock is a shared device's
+        raise ValueError(f"the estimate scales a run that had the device to itself; this one ran beside "
+                         f"{metrics['runs_beside']} other(s) (SPHEREML_RUNS_BESIDE)")
     fits = [f for f in metrics.get("fits", []) if f.get("recipe")]
     if not fits:
         raise ValueError("this gpu run trained nothing with a source's recipe (were the CIFAR archives missing? "
