@@ -30,12 +30,23 @@ from .harness import compare, save, smoke_or
 CALLS = 200  # calls per timed candidate call
 
 
-def _custom_add_one(name: str, define=torch.library.custom_op):
-    """x + 1 as the custom operator ``sphereml_bench::<name>``, with its fake (no autograd formula yet), defined by
-    ``torch.library.custom_op`` or the library's :func:`sphereml._custom_ops.custom_op`."""
+def _plus_one(x: torch.Tensor) -> torch.Tensor:
+    return x + 1
+
+
+def _triton_plus_one(x: torch.Tensor) -> torch.Tensor:
+    """x + 1 by a Triton kernel: the fused paths' pattern."""
+    from ._launch_kernels import add_one
+
+    return add_one(x)
+
+
+def _custom_add_one(name: str, define=torch.library.custom_op, body=_plus_one):
+    """x + 1 (by ``body``) as the custom operator ``sphereml_bench::<name>``, with its fake (no autograd formula
+    yet), defined by ``torch.library.custom_op`` or the library's :func:`sphereml._custom_ops.custom_op`."""
     @define(f"sphereml_bench::{name}", mutates_args=())
     def add_one(x: torch.Tensor) -> torch.Tensor:
-        return x + 1
+        return body(x)
 
     add_one.register_fake(torch.empty_like)
     return add_one
@@ -81,28 +92,8 @@ class _LeanAddOne(Function):
     forward, setup_context, backward = _AddOne.forward, _AddOne.setup_context, _AddOne.backward
 
 
-@torch.library.custom_op("sphereml_bench::triton_add_one", mutates_args=())
-def _triton_add_one(x: torch.Tensor) -> torch.Tensor:
-    """x + 1 by a Triton kernel inside a custom operator: the fused paths' pattern."""
-    from ._launch_kernels import add_one
-
-    return add_one(x)
-
-
-@_triton_add_one.register_fake
-def _(x):
-    return torch.empty_like(x)
-
-
-@custom_op("sphereml_bench::direct_triton_add_one", mutates_args=())
-def _direct_triton_add_one(x: torch.Tensor) -> torch.Tensor:
-    """The same through :func:`sphereml._custom_ops.custom_op`: called directly in plain eager calls."""
-    from ._launch_kernels import add_one
-
-    return add_one(x)
-
-
-_direct_triton_add_one.register_fake(torch.empty_like)
+_triton_add_one = _custom_add_one("triton_add_one", body=_triton_plus_one)
+_direct_triton_add_one = _custom_add_one("direct_triton_add_one", custom_op, _triton_plus_one)
 
 
 def _repeated(fn, x: torch.Tensor, calls: int, grad: bool = True):
