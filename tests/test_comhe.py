@@ -313,9 +313,11 @@ def test_unrolled_projection_is_the_step_on_the_distortions_gradient():
 
 def test_unrolled_projection_batches_over_seeds_and_costs_fewer_operations():
     """torch.func.vmap over stacked seeds (fit_seeds' batched step) gives each seed's gradient; and the written-out
-    backward dispatches fewer operations than autograd's."""
+    backward dispatches fewer operations than autograd's.  Compared in float64: the scale-free step divides by
+    small gradient norms, so float32 rounding alone (batched products sum in another order) moves some entries by
+    1e-3 relative on an AVX2 CPU, while in float64 the two agree to 1e-15."""
     from sphereml.launches import count_ops
-    x, p, share = _unrolled_case(shared=False, num_proj=2, dtype=torch.float32)
+    x, p, share = _unrolled_case(shared=False, num_proj=2)
     seeds = torch.stack([x, 2 * x.flip(1)]).requires_grad_(True)
     out = torch.func.vmap(lambda t: comhe.unrolled_projection(t, p, share, 0.3))(seeds)
     (batched,) = torch.autograd.grad(out.square().sum(), seeds)
