@@ -3,10 +3,12 @@
 After its convolution a patch layer (:mod:`~sphereml.layers.patches`: SphereConv, SCS) only works elementwise on the
 B x C_out x H' x W' inner products: divide each by its patch norm (+ q), clamp to [-1, 1], and apply the
 layer's function of the cosine (an angular activation of :mod:`~sphereml.angular`, or the SCS sharpening).
-Here the squared patch norms come from one depthwise convolution (:func:`squared_patch_norms`, Note [patch
-norm by convolution] in :mod:`~sphereml.layers.patches`), and then one Triton kernel reads the inner products once
+Here the squared patch norms come from one depthwise convolution
+(:func:`~sphereml.layers.patch_norms.squared_patch_norms`, Note [patch norm by convolution] in
+:mod:`~sphereml.layers.patches`), and then one Triton kernel reads the inner products once
 and writes the output, and one backward kernel reads them and dL/dy once and writes dL/d(inner products),
-dL/dm per position (m the divided norm; autograd carries it on to x through :func:`squared_patch_norms`) and
+dL/dm per position (m the divided norm; autograd carries it on to x through
+:func:`~sphereml.layers.patch_norms.squared_patch_norms`) and
 the partial sums of dL/d(parameter) (:mod:`sphereml.layers._patch_kernels`, with the formulas).  The kernels are the
 custom operators ``sphereml::patch_epilogue`` and ``sphereml::patch_epilogue_backward``, so ``torch.compile``
 traces the layer with ``fullgraph=True``.  They run on CUDA tensors, and on CPU tensors under
@@ -17,13 +19,12 @@ traces the layer with ``fullgraph=True``.  They run on CUDA tensors, and on CPU 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from .._custom_ops import custom_op
 from ..energy.triton_backend import choose_backend, usable_on
 
-__all__ = ["EPILOGUES", "resolve_backend", "squared_patch_norms", "fused_epilogue", "per_channel"]
+__all__ = ["EPILOGUES", "resolve_backend", "fused_epilogue", "per_channel"]
 
 EPILOGUES = ("cosine", "sharpen", "linear", "sigmoid", "sqcosine")  # the kernels' EPILOGUE numbers, in order
 
@@ -37,18 +38,6 @@ def resolve_backend(backend: str, x: Tensor) -> str:
         raise ValueError("backend='fused' needs Triton and float32 or half CUDA tensors (on the CPU, "
                          "TRITON_INTERPRET=1)")
     return backend
-
-
-def squared_patch_norms(x: Tensor, kernel_size, stride, padding, dilation, groups: int):
-    """s = conv(e, ones) with e the sum over each group's channels of x^2: (e's shape, Tensor[B, G, H', W']).
-
-    Summed in float32 (x^2 overflows float16 above 256)."""
-    b, c, h, w = x.shape
-    with torch.autocast(x.device.type, enabled=False):
-        xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
-        energy = xf.square().reshape(b, groups, c // groups, h, w).sum(2)  # (B, G, H, W)
-        ones = energy.new_ones(groups, 1, *kernel_size)
-        return energy.shape, F.conv2d(energy, ones, None, stride, padding, dilation, groups)
 
 
 def _slot(tensor: Tensor | None, number: float | None, placeholder: Tensor, default: float):
@@ -155,7 +144,8 @@ def fused_epilogue(inner: Tensor, sq: Tensor, q: Tensor | float | None, epilogue
     """The epilogue of a patch layer on its inner products ``inner`` (Tensor[B, C_out, H', W']).
 
     Args:
-        sq (Tensor[B, G, H', W']): the squared patch norms (:func:`squared_patch_norms`); the norm is
+        sq (Tensor[B, G, H', W']): the squared patch norms
+            (:func:`~sphereml.layers.patch_norms.squared_patch_norms`); the norm is
             sqrt(max(sq, eps^2)), and sq gets its gradient.
         q (float or 0-d Tensor, optional): added to the patch norm.
         epilogue (str): one of :data:`EPILOGUES`.

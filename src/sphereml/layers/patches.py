@@ -13,15 +13,17 @@ Note [patch norm by convolution]
     output channel per group (a depthwise convolution): the same sums, at 1 / C_out of
     the main convolution's cost.  The cosine is then conv(x, w / ||w||) / ||x||, so the
     layer costs one ordinary convolution plus a few elementwise passes; nothing is
-    unfolded.
+    unfolded.  The sums over channels and their gradient take one pass over x each way
+    (Note [one pass over the input] in :mod:`~sphereml.layers.patch_norms`).
 
 Note [zero patch]
     A patch with ||x|| < eps (zero padding on a blank background, a dead ReLU region)
     has its norm floored at eps.  Its inner product is 0, so cos = 0, theta = pi/2 and
     every angular g (and every sharpened cosine) gives 0, with finite gradients (d/dx is
-    w_hat / eps; the square root sees ||x||^2 floored at the dtype's smallest normal number, where
-    its derivative at 0 would be infinite, and the floor at eps after it passes no gradient).  Above
-    eps a layer with q = 0 is exactly invariant to rescaling the patch.
+    w_hat / eps; the square root sees ||x||^2 floored at the smallest normal number of the dtype
+    it is summed in, float32 for half inputs, where its derivative at 0 would be infinite, and
+    the floor at eps after it passes no gradient).  Above eps a layer with q = 0 is exactly
+    invariant to rescaling the patch.
 
 Note [fused epilogue]
     After the convolution the layer's work is elementwise: divide each inner product by its patch norm (+ q),
@@ -54,8 +56,9 @@ from torch import Tensor
 from .._autograd import Function
 from .._checks import integer, real_number
 from ..angular import DECOUPLED_ANGULAR, angular_activation, check_angular, check_k
-from ..geometry import max_abs_scale, safe_norm
-from .patch_epilogue import fused_epilogue, per_channel, resolve_backend, squared_patch_norms
+from ..geometry import safe_norm
+from .patch_epilogue import fused_epilogue, per_channel, resolve_backend
+from .patch_norms import box_sum_transpose, patch_norm, squared_patch_norms, times_channels
 
 __all__ = ["pair", "check_padding", "conv_arguments", "explicit_padding", "output_size", "patch_cosine2d",
            "patch_norm2d", "patchwise_reference", "sharpen"]
@@ -117,20 +120,17 @@ def output_size(size: tuple[int, int], kernel_size, stride, padding, dilation) -
 
 def patch_norm2d(x: Tensor, kernel_size, stride=1, padding=0, dilation=1, groups: int = 1,
                  eps: float = 1e-6) -> Tensor:
-    """||x|| of every receptive-field patch of each channel group, floored at ``eps``
-    (Note [patch norm by convolution] in :mod:`sphereml.layers.patches`; integer padding).
+    """||x|| of every receptive-field patch of each channel group, floored at ``eps`` (Note [patch norm by
+    convolution] in :mod:`sphereml.layers.patches`; ``padding`` as for the layers), with no overflow or underflow
+    (Note [patch norm without overflow]) and one pass over x each way (:func:`~sphereml.layers.patch_norms.patch_norm`).
 
     Returns:
         Tensor[B, groups, H', W'].
     """
-    b, c, h, w = x.shape
-    # Note [patch norm without overflow]
-    scale = max_abs_scale(x, (1, 2, 3))
-    energy = (x / scale).square().reshape(b, groups, c // groups, h, w).sum(2)  # (B, G, H, W)
-    ones = energy.new_ones(groups, 1, *pair(kernel_size, "kernel_size", 1))
-    squares = F.conv2d(energy, ones, None, stride, padding, dilation, groups)  # (B, G, H', W')
-    tiny = torch.finfo(squares.dtype).tiny  # keeps the root's gradient finite where a patch is zero
-    return (squares.clamp_min(tiny).sqrt() * scale.to(squares.dtype)).clamp_min(eps)
+    kernel_size, stride = pair(kernel_size, "kernel_size", 1), pair(stride, "stride", 1)
+    dilation = pair(dilation, "dilation", 1)
+    x, padding = explicit_padding(x, padding, kernel_size, stride, dilation)
+    return patch_norm(x, kernel_size, stride, padding, dilation, groups, eps)
 
 
 def patchwise_reference(x: Tensor, weight: Tensor, fn, stride=1, padding=0, dilation=1, groups: int = 1) -> Tensor:
@@ -157,15 +157,12 @@ def patchwise_reference(x: Tensor, weight: Tensor, fn, stride=1, padding=0, dila
 
 
 def _grad_x_through_norms(grad_m: Tensor, x: Tensor, norm: Tensor, sq: Tensor, energy_shape, conv) -> Tensor:
-    """dL/dx through the patch norms: 2 x conv_transpose(d/ds, ones) with d/ds = (dL/dm) / 2n, zero where the
-    norm floor is active.  ``conv``: (kernel_size, stride, padding, dilation, groups, eps)."""
-    kernel_size, stride, padding, dilation, groups, eps = conv
-    grad_sq = grad_m.div_(norm).mul_(0.5).mul_(sq >= eps * eps)
-    ones = grad_sq.new_ones(groups, 1, *kernel_size)
-    grad_energy = torch.nn.grad.conv2d_input(energy_shape, ones, grad_sq, stride, padding, dilation, groups)
-    b, c, h, w = x.shape
-    grad_x = (x.reshape(b, groups, c // groups, h, w) * grad_energy.unsqueeze(2)).mul_(2.0)
-    return grad_x.reshape(b, c, h, w).to(x.dtype)
+    """dL/dx through the patch norms: x * 2 conv_transpose(d/ds, ones) with d/ds = (dL/dm) / 2n, zero where the
+    norm floor is active (the factors on the small tensors, one pass over x).  ``conv``: (kernel_size, stride,
+    padding, dilation, groups, eps)."""
+    *window, groups, eps = conv
+    grad_sq = grad_m.div_(norm).mul_(sq >= eps * eps)  # 2 d/ds
+    return times_channels(x, box_sum_transpose(grad_sq, energy_shape, *window, groups), groups)
 
 
 class _DivideByPatchNorm(Function):
@@ -179,9 +176,11 @@ class _DivideByPatchNorm(Function):
         d/ds = (d/dm) / 2n  (0 where s < eps^2),    d/dx = 2 x * conv_transpose(d/ds, ones).
 
     The clamp only removes rounding (the inner product never exceeds the norm product) and
-    passes the gradient through.  Four elementwise passes over the B x C x H x W tensors
-    instead of autograd's eight: 1.46x -> 1.17x of ``nn.Conv2d`` forward + backward at 64
-    channels, 32x32, batch 32, in one A/B run on our 2-core CPU.
+    passes the gradient through.  The backward passes over the B x C_out x H' x W' tensors
+    three times (d/d inner, the product with inner and its sum over channels) and over x once
+    (Note [one pass over the input] in :mod:`~sphereml.layers.patch_norms`); autograd through
+    the composite made eight such passes (1.46x -> 1.17x of ``nn.Conv2d`` forward + backward
+    at 64 channels, 32x32, batch 32, in one A/B run on our 2-core CPU when this node was written).
     """
 
     generate_vmap_rule = True  # several seeds at once (sphereml.multiseed)
@@ -191,7 +190,7 @@ class _DivideByPatchNorm(Function):
                 groups: int, eps: float) -> tuple[Tensor, ...]:
         """(cos, n, s), and m = n + q after them when q is given: the norms are outputs so that the context
         may save them (the form ``torch.func`` needs), never differentiated."""
-        _, sq = squared_patch_norms(x, kernel_size, stride, padding, dilation, groups)
+        sq = squared_patch_norms(x, kernel_size, stride, padding, dilation, groups)
         norm = sq.clamp_min(eps * eps).sqrt_()
         denominator = norm if q is None else norm + q
         bo, co, ho, wo = inner.shape
@@ -370,7 +369,7 @@ def patch_cosine2d(x: Tensor, weight: Tensor, stride=1, padding=0, dilation=1, g
                 raise ValueError(f"the fused epilogue takes k or p as a number, one value or Tensor[C_out, 1, 1], "
                                  f"got shape {tuple(param.shape)}")
         else:
-            sq = squared_patch_norms(x, kernel_size, stride, padding, dilation, groups)[1]
+            sq = squared_patch_norms(x, kernel_size, stride, padding, dilation, groups)
             return fused_epilogue(inner, sq, q, epilogue, param, groups, eps)
     cos = _DivideByPatchNorm.apply(inner, x, q, *conv)[0]
     if power is not None:

@@ -1,0 +1,192 @@
+"""The norm of every receptive-field patch, with one pass over the input each way.
+
+Note [patch norm by convolution] in :mod:`~sphereml.layers.patches` gives the patch norms as a box sum over the
+window of e = the sum of x^2 over each group's channels (Tensor[B, G, H, W], 1 / C of the input's size).  What
+costs time on a GPU is not that small convolution but the passes over the B x C x H x W input around it.
+
+Note [one pass over the input]
+    Autograd through ``x.square().sum(channels)`` passes over input-sized tensors twice forward (the squares are
+    written, then read by the sum) and three times backward (``pow`` writes x, a product doubles it, another
+    multiplies by dL/de).  Here dL/dx = 2 x dL/de is one product, the factor 2 applied to the small dL/de
+    (:class:`_ChannelEnergy`, :func:`times_channels`; for float16 x, whose range the factor may exceed, a float32
+    product and a cast), and off the CPU e is one reduction, :func:`torch.linalg.vector_norm` over the channels,
+    squared on the small result.  Half inputs accumulate in float32 inside that reduction: PyTorch's CUDA
+    reductions read half inputs for a float32 result without a float32 copy (the mixed-precision case of its
+    ``make_reduction``; other accelerators may copy), and autocast, which could make that copy, is switched off
+    around it.  On the CPU the reduction takes 14 times as long as squaring and summing (7.5 against 0.5 ms for
+    32 x 64 x 32 x 32 floats here), so the CPU keeps the two passes.  The norms with Note [patch norm without
+    overflow]'s scale (:func:`patch_norm`, the decoupled operators') find the scale off the CPU with one reduction
+    too (the infinity norm, no ``abs`` copy of x; float16 needs no scale, its squares fit float32) and get dL/dx =
+    x conv_transpose(dL/dn / n), each patch norm's exact gradient x / ||x||, in one product.  Counted on the CPU
+    with the GPU's forms (``tests/test_patch_norms.py``, ``tests/test_patch_epilogue.py``), forward + backward
+    touch input-sized tensors 5 times for a SphereConv or SCS layer (7 before, the fused epilogue's path 8), 7
+    times for a decoupled operator (12 before) and twice for ``nn.Conv2d``.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.autograd import forward_ad
+
+from .._autograd import Function
+from ..launches import on_accelerator  # the GPU forms; tests make it say True
+
+__all__ = ["channel_energy", "times_channels", "box_sum", "box_sum_transpose", "squared_patch_norms", "patch_norm"]
+
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def _autocast_off(device: torch.device):
+    """Autocast switched off on ``device`` where it is on: it would run the box sums of squares in half precision
+    and copy x to float32 for a norm.  Nothing to enter otherwise (meta tensors have no autocast)."""
+    if torch.amp.is_autocast_available(device.type) and torch.is_autocast_enabled(device.type):
+        return torch.autocast(device.type, enabled=False)
+    return nullcontext()
+
+
+def _grouped(x: Tensor, groups: int) -> Tensor:
+    b, c, h, w = x.shape
+    return x.reshape(b, groups, c // groups, h, w)
+
+
+def _energy(x: Tensor, groups: int) -> Tensor:
+    """e = sum over each group's channels of x^2, Tensor[B, G, H, W], float32 for half inputs: one reduction off
+    the CPU (Note [one pass over the input]); on the CPU the squares, then their sum."""
+    if not on_accelerator(x.device):
+        return (x.float() if x.dtype in _HALF else x).square().reshape(_grouped(x, groups).shape).sum(2)
+    with _autocast_off(x.device):
+        accumulate = torch.float32 if x.dtype in _HALF else None
+        return torch.linalg.vector_norm(_grouped(x, groups), dim=2, dtype=accumulate).square()
+
+
+def _largest_magnitude(x: Tensor) -> Tensor:
+    """Each sample's largest absolute value, Tensor[B, 1, 1, 1]: one reduction off the CPU, abs then max on it."""
+    if not on_accelerator(x.device):
+        return x.abs().amax(dim=(1, 2, 3), keepdim=True)
+    with _autocast_off(x.device):
+        return torch.linalg.vector_norm(x, float("inf"), dim=(1, 2, 3), keepdim=True)
+
+
+def times_channels(x: Tensor, per_position: Tensor, groups: int) -> Tensor:
+    """x times a factor per group and position (Tensor[B, G, H, W]) broadcast over the group's channels, in x's
+    dtype: one pass over x (for float16 x, whose range a float32 factor may exceed, a float32 product and a cast)."""
+    if x.dtype == torch.bfloat16:  # float32's range: the factor rounded once, the product written once
+        per_position = per_position.to(x.dtype)
+    return (_grouped(x, groups) * per_position.unsqueeze(2)).reshape(x.shape).to(x.dtype)
+
+
+def _plain(x: Tensor) -> bool:
+    """Whether x needs no gradient, or forward mode is on (``torch.func.jvp``, ``jacfwd``, ``hessian``,
+    ``forward_ad``): then the nodes' forwards run as they are, in autograd's own operations, which forward mode
+    differentiates (TorchDynamo cannot trace a node with a ``jvp`` rule, so the nodes have none)."""
+    return not (torch.is_grad_enabled() and x.requires_grad) or forward_ad._current_level >= 0
+
+
+class _ChannelEnergy(Function):
+    """e = sum over each group's channels of x^2 (Note [one pass over the input]); dL/dx = x * 2 dL/de."""
+
+    generate_vmap_rule = True  # several seeds at once (sphereml.multiseed)
+
+    @staticmethod
+    def forward(x: Tensor, groups: int) -> Tensor:
+        return _energy(x, groups)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(inputs[0])
+        ctx.groups = inputs[1]
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        (x,) = ctx.saved_tensors
+        return times_channels(x, grad * 2.0, ctx.groups), None
+
+
+def channel_energy(x: Tensor, groups: int = 1) -> Tensor:
+    """The sum of x^2 over each group's channels, Tensor[B, G, H, W] (float32 for half x), differentiable."""
+    if _plain(x):  # inside another node's forward, or in forward mode: no node of its own
+        return _energy(x, groups)
+    return _ChannelEnergy.apply(x, groups)
+
+
+def box_sum(energy: Tensor, kernel_size, stride, padding, dilation, groups: int) -> Tensor:
+    """The sum of ``energy`` (Tensor[B, G, H, W]) over each window of the layer: one depthwise convolution with a
+    kernel of ones (Note [patch norm by convolution]); Tensor[B, G, H', W'], in float32 under autocast too."""
+    ones = energy.new_ones(groups, 1, *kernel_size)
+    with _autocast_off(energy.device):
+        return F.conv2d(energy, ones, None, stride, padding, dilation, groups)
+
+
+def box_sum_transpose(grad: Tensor, energy_shape, kernel_size, stride, padding, dilation, groups: int) -> Tensor:
+    """The adjoint of :func:`box_sum`: each window's value added back to every position it covers (autocast does
+    not touch a convolution's backward)."""
+    ones = grad.new_ones(groups, 1, *kernel_size)
+    return torch.nn.grad.conv2d_input(energy_shape, ones, grad, stride, padding, dilation, groups)
+
+
+def squared_patch_norms(x: Tensor, kernel_size, stride, padding, dilation, groups: int) -> Tensor:
+    """s = the box sum of :func:`channel_energy`: every patch's squared norm, Tensor[B, G, H', W'] (float32 for
+    half x; x^2 overflows float16 above 256), differentiable."""
+    return box_sum(channel_energy(x, groups), kernel_size, stride, padding, dilation, groups)
+
+
+def _norms(x: Tensor, window, groups: int, eps: float) -> tuple[Tensor, Tensor]:
+    """(max(||x_patch||, eps) in x's dtype, where neither floor is active): float16 squares summed in float32
+    neither overflow nor underflow, other dtypes are scaled by each sample's largest magnitude first."""
+    scale = None if x.dtype == torch.float16 else _largest_magnitude(x).clamp_min(torch.finfo(x.dtype).tiny)
+    squares = box_sum(_energy(x if scale is None else x / scale, groups), *window, groups)
+    tiny = torch.finfo(squares.dtype).tiny  # keeps the root's gradient finite where a patch is zero
+    norm = squares.clamp_min(tiny).sqrt()  # out of place: autograd differentiates this in forward mode
+    if scale is not None:
+        norm = norm * scale.to(squares.dtype)
+    active = (squares >= tiny) & (norm >= eps)
+    return norm.clamp_min(eps).to(x.dtype), active
+
+
+class _PatchNorm(Function):
+    """n = max(||x_patch||, eps) with Note [patch norm without overflow]'s scale; dL/dx = x conv_T(dL/dn / n).
+
+    The scale s (each sample's largest absolute value) is a constant of the gradient, so d n / d x = x / n exactly
+    for every patch above the floors; below them (the root's at the smallest normal number, the norm's at eps) the
+    gradient is zero, as autograd gives through the clamps.  Returns (n in x's dtype, where it is above the floors).
+    """
+
+    generate_vmap_rule = True  # several seeds at once (sphereml.multiseed)
+
+    @staticmethod
+    def forward(x: Tensor, kernel_size, stride, padding, dilation, groups: int, eps: float):
+        return _norms(x, (kernel_size, stride, padding, dilation), groups, eps)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, kernel_size, stride, padding, dilation, groups, _ = inputs
+        ctx.mark_non_differentiable(output[1])
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(x, *output)
+        ctx.conv = (kernel_size, stride, padding, dilation, groups)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor | None, _):
+        if grad is None:
+            return (None,) * 7
+        x, norm, active = ctx.saved_tensors
+        groups = ctx.conv[-1]
+        wide = torch.promote_types(grad.dtype, torch.float32)
+        per_patch = torch.where(active, grad.to(wide) / norm, 0.0)  # 0, not 0 * inf, where a floor rounds to 0
+        b, _, h, w = x.shape
+        per_position = box_sum_transpose(per_patch, (b, groups, h, w), *ctx.conv)
+        return (times_channels(x, per_position, groups),) + (None,) * 6
+
+
+def patch_norm(x: Tensor, kernel_size, stride, padding, dilation, groups: int, eps: float) -> Tensor:
+    """max(||x_patch||, eps) for every patch, Tensor[B, G, H', W'] in x's dtype, right from the dtype's smallest to
+    its largest numbers (Note [patch norm without overflow]); tuples for the window's sizes, integer padding.  One
+    autograd node where x needs a gradient; the forward alone (no mask, nothing saved) where it does not, or where
+    it carries a forward-mode tangent."""
+    if _plain(x):
+        return _norms(x, (kernel_size, stride, padding, dilation), groups, eps)[0]
+    return _PatchNorm.apply(x, kernel_size, stride, padding, dilation, groups, eps)[0]
