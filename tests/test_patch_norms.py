@@ -99,6 +99,23 @@ def test_patch_norm_gradient_is_autograds_through_the_floors(form):
     assert float(got[:, :, :3, :3].abs().max()) == 0.0  # every patch over these positions is floored
 
 
+def test_the_cpu_keeps_the_composites_gradients_to_the_bit():
+    """On the CPU the decoupled operators' norms are autograd through their forward: the numbers of the composite
+    the chapters' recorded cpu runs used, to the bit (a change at rounding moved 84 of chapter 4's 129)."""
+    x = torch.randn(2, 3, 7, 7, generator=torch.Generator().manual_seed(13), requires_grad=True)
+    grad = torch.randn(2, 1, 7, 7, generator=torch.Generator().manual_seed(14))
+    tiny = torch.finfo(torch.float32).tiny
+
+    def composite(v):
+        scale = v.detach().abs().amax(dim=(1, 2, 3), keepdim=True).clamp_min(tiny)
+        squares = F.conv2d((v / scale).square().sum(1, keepdim=True), v.new_ones(1, 1, 3, 3), padding=1)
+        return (squares.clamp_min(tiny).sqrt() * scale).clamp_min(1e-6)
+    got, want = patch_norm(x, *WINDOW, 1, 1e-6), composite(x)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    torch.testing.assert_close(torch.autograd.grad(got, x, grad)[0], torch.autograd.grad(want, x, grad)[0],
+                               rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("magnitude", [1e30, 1e-30])
 def test_patch_norm_neither_overflows_nor_underflows(form, magnitude):
     """float32 squares of 1e30 are inf and of 1e-30 are 0: the norms and gradients are still right."""
