@@ -243,7 +243,10 @@ def test_regularizers_under_data_parallel_fit(name, tmp_path):
     single = _fit_regularized(name)
     for key, value in single.items():
         assert torch.equal(a[key], b[key]), key
-        torch.testing.assert_close(a[key], value, rtol=1e-9, atol=1e-11, msg=key)
+        # To 1e-9 of each tensor's scale: the adversarial CoMHE arm grows some weights to 1e20 here, and sums of
+        # two half-batch gradients round differently from one whole-batch sum (2e-11 of the scale on an AVX2 CPU)
+        scale = float(value.abs().max())
+        torch.testing.assert_close(a[key], value, rtol=1e-9, atol=1e-11 + 1e-9 * scale, msg=key)
 
 
 def _uneven_worker(rank, init, out):
