@@ -60,7 +60,7 @@ def _energy(x: Tensor, groups: int) -> Tensor:
     """e = sum over each group's channels of x^2, Tensor[B, G, H, W], float32 for half inputs: one reduction off
     the CPU (Note [one pass over the input]); on the CPU the squares, then their sum."""
     if not on_accelerator(x.device):
-        return (x.float() if x.dtype in _HALF else x).square().reshape(_grouped(x, groups).shape).sum(2)
+        return _grouped(x.float() if x.dtype in _HALF else x, groups).square().sum(2)
     with _autocast_off(x.device):
         accumulate = torch.float32 if x.dtype in _HALF else None
         return torch.linalg.vector_norm(_grouped(x, groups), dim=2, dtype=accumulate).square()
