@@ -70,6 +70,8 @@ def compile_check(arch: int = 90) -> list[dict]:
                          "eps2": "fp32"}
                 constants = {"Q_MODE": q_mode, "EPILOGUE": kernels.EPILOGUES[epilogue], "PARAM": param,
                              "HAS_MAG": has_mag, "BC": bc, "BP": bp}
+                if name == "backward":  # dL/dm for a learned q (a tensor), dL/dsq otherwise, as the layers ask
+                    constants["OF_SQ"] = q_mode != 2
                 row = {"kernel": name, "dtype": dtype, "epilogue": epilogue, "q_mode": q_mode, "param": param,
                        "magnitude": has_mag,
                        **compile_kernel(kernel, types, constants, warps, 2, arch)}

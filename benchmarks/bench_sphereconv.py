@@ -6,9 +6,10 @@ library's readable reference :func:`~sphereml.layers.sphereconv.sphere_conv2d_re
 layers under ``torch.compile`` (which fuses the patch-norm division and g into the convolution's
 neighbours) and under bfloat16 autocast.  The layers take the reference nodes after the convolution (the
 default); on CUDA the "(fused epilogue)" rows time cosine and sigmoid through the fused Triton epilogue
-(:mod:`sphereml.layers.patch_epilogue`, ``backend="fused"``).  Result files of 2026-11-27 were measured when the
-layers took the fused epilogue on CUDA: there the plain rows are fused and "(reference epilogue)" rows
-the reference (their ``note`` says so).
+(:mod:`sphereml.layers.patch_epilogue`, ``backend="fused"``; since 2026-12-07 with the kernels normalised by the
+two kernels of :mod:`sphereml.layers.unit_kernels`, whose :func:`compile_check` is here).  Result files of
+2026-11-27 were measured when the layers took the fused epilogue on CUDA: there the plain rows are fused and
+"(reference epilogue)" rows the reference (their ``note`` says so).
 
 * CPU: B=32, 64 -> 64 channels, 32x32, 3x3 (goal: cosine at most 1.3x Conv2d).
 * CUDA: the same size plus B=128 128 ch 32x32 and B=64 256 ch 16x16 (goal: cosine at most 1.3x Conv2d
@@ -74,3 +75,28 @@ def run(device: torch.device) -> dict:
                                     repeats=30, extra={"batch": b, "channels": c, "size": side, "kernel": K,
                                                        "precision": precision})
     return results
+
+
+def compile_check(arch: int = 90) -> list[dict]:
+    """Compile the unit-kernel normalisation's two kernels (:mod:`sphereml.layers.unit_kernels`) for ``sm_<arch>``
+    on the CPU, for float32, bf16 and fp16 weights.  Prints registers and spills.  Must run without
+    TRITON_INTERPRET."""
+    from sphereml.layers import _unit_kernels as kernels
+
+    from .sm90 import compile_kernel
+
+    br, bd, warps = kernels.BLOCKS
+    rows = []
+    for dtype in ("fp32", "bf16", "fp16"):
+        forms = {"forward": (kernels.forward_kernel, {"W": f"*{dtype}", "U_OUT": f"*{dtype}", "INV_OUT": "*fp32",
+                                                      "ACTIVE_OUT": "*fp32", "R": "i32", "D": "i32", "eps": "fp32"}),
+                 "backward": (kernels.backward_kernel, {"G": f"*{dtype}", "U": f"*{dtype}", "INV": "*fp32",
+                                                        "ACTIVE": "*fp32", "GW_OUT": f"*{dtype}", "R": "i32",
+                                                        "D": "i32"})}
+        for name, (kernel, types) in forms.items():
+            row = {"kernel": f"unit kernels {name}", "dtype": dtype,
+                   **compile_kernel(kernel, types, {"BR": br, "BD": bd}, warps, 2, arch)}
+            rows.append(row)
+            print(f"compile sm_{arch} unit kernels {name:8s} {dtype}: registers {row['registers']}, "
+                  f"spill stores {row['spill_store_bytes']} B", flush=True)
+    return rows

@@ -102,6 +102,32 @@ def test_fused_sigmoid_keeps_its_accuracy_for_a_large_k(k):
     assert torch.isfinite(fused[3]).all()
 
 
+@pytest.mark.parametrize("q", [None, 0.01, torch.tensor(0.01)], ids=["no q", "q number", "q learned"])
+def test_squared_norms_gradient_under_and_over_the_floor(q):
+    """dL/dsq = dL/dm / 2n where sq >= eps^2 and 0 under the floor: written by the backward kernel, or (a learned q,
+    which needs dL/dm itself) formed outside it; against autograd through sqrt(max(sq, eps^2)) in float64.  A layer
+    meets the floor at patches shorter than eps but not zero (a zero patch has dL/dm = 0 either way)."""
+    from sphereml.layers.patch_epilogue import fused_epilogue
+
+    g, eps = torch.Generator().manual_seed(11), 1e-3
+    sq = torch.rand(2, 1, 4, 5, generator=g, dtype=torch.float64)
+    sq[0] *= eps * eps  # every position of the first sample under the floor
+    inner = (torch.rand(2, 3, 4, 5, generator=g, dtype=torch.float64) - 0.5) * sq.clamp_min(eps * eps).sqrt()
+    upstream = torch.randn(inner.shape, generator=g, dtype=torch.float64)
+    q = q.clone() if torch.is_tensor(q) else q  # the parameter's tensor is shared by the cases
+    leaves = [sq.clone().requires_grad_(True), q.double().requires_grad_(True) if torch.is_tensor(q) else q]
+    m = leaves[0].clamp_min(eps * eps).sqrt() + (0.0 if q is None else leaves[1])
+    grads = torch.autograd.grad((inner / m * upstream).sum(), [v for v in leaves if torch.is_tensor(v)])
+    fused_leaves = [sq.float().to(DEVICE).requires_grad_(True), q.to(DEVICE).requires_grad_(True)
+                    if torch.is_tensor(q) else q]
+    out = fused_epilogue(inner.float().to(DEVICE), fused_leaves[0], fused_leaves[1], "cosine", None, 1, eps)
+    fused = torch.autograd.grad((out * upstream.float().to(DEVICE)).sum(),
+                                [v for v in fused_leaves if torch.is_tensor(v)])
+    assert torch.equal(fused[0][0].cpu(), torch.zeros_like(fused[0][0].cpu())) and grads[0][1].abs().min() > 0
+    for want, got in zip(grads, fused):
+        torch.testing.assert_close(got.double().cpu(), want, rtol=1e-5, atol=1e-6 * float(want.abs().max()))
+
+
 @pytest.mark.parametrize("kwargs", [{}, {"angular": "sigmoid"}, {"power": 2.0}])
 def test_fused_epilogue_keeps_nan(kwargs):
     x = torch.randn(1, 2, 4, 4)

@@ -41,7 +41,7 @@ def test_unit_kernels_match_normalize_with_their_hand_written_backward():
     """The kernels' normalisation in patch_cosine2d against autograd through geometry.normalize, with a zero
     kernel and one below the floor (where the gradient is g / eps, no projection)."""
     from sphereml.geometry import normalize
-    from sphereml.layers.patches import _UnitKernels
+    from sphereml.layers.unit_kernels import _UnitKernels
 
     w = torch.randn(5, 3, 2, 2, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
     w[1], w[2] = 0.0, 1e-9

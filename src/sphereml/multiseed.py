@@ -28,8 +28,8 @@ per seed, but not from ``fit``'s stream). Every operation needs a batching rule:
 them, and so have our hand-written backward passes, written in the form ``torch.func`` batches (``setup_context``,
 ``generate_vmap_rule``): the margin heads' weight-normalised product, the patch layers' (SphereConv, SCS, the
 decoupled operators), the angular functions' and MHE's batched energy. The fused Triton kernels of a GPU
-(``SPHEREML_FUSED=1``: the patch epilogue, the margin cross-entropy) have none, and a network that reaches one is
-refused by name.
+(``SPHEREML_FUSED=1``: the patch epilogue and kernels' normalisation, the margin cross-entropy) have none, and a
+network that reaches one is refused by name.
 """
 
 from __future__ import annotations
@@ -252,9 +252,9 @@ def fit_seeds(models: Sequence[nn.Module], train_data: Dataset, *, seeds: Sequen
                 if "setup_context" not in str(error) and "functorch transform" not in str(error):
                     raise
                 raise ValueError("fit_seeds cannot batch this step: a layer with a hand-written backward without a "
-                                 "vmap rule (a fused kernel of SPHEREML_FUSED=1: the patch epilogue or the margin "
-                                 "cross-entropy), or a gradient taken inside the loss (adversarial training); train "
-                                 "its seeds with fit") from error
+                                 "vmap rule (a fused kernel of SPHEREML_FUSED=1: the patch epilogue, the kernels' "
+                                 "normalisation or the margin cross-entropy), or a gradient taken inside the loss "
+                                 "(adversarial training); train its seeds with fit") from error
             opt.zero_grad(set_to_none=True)
             if one_each and not alike:  # zeros from the stacked step, then each seed's own regulariser
                 penalty = penalty + _seed_penalties(regularizer, models, params)

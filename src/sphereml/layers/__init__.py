@@ -2,6 +2,7 @@
 
 * :mod:`~sphereml.layers.patches` — every receptive field's norm and its cosine to every kernel, by convolution.
 * :mod:`~sphereml.layers.patch_norms` — every receptive field's norm with one pass over the input each way.
+* :mod:`~sphereml.layers.unit_kernels` — the kernels on the unit sphere, one Triton kernel each way on the fused path.
 * :mod:`~sphereml.layers.patch_epilogue` — the patch layers' division, g(theta) or sharpening in one kernel each
   way (an opt-in on CUDA).
 * :mod:`~sphereml.layers.sphereconv` — SphereConv2d, SphereLinear, SphereNorm and the unfold reference (thesis
@@ -15,14 +16,14 @@
 The layers themselves are importable from here (``from sphereml.layers import SphereConv2d``).
 """
 
-from . import decoupled, decoupled_training, patch_epilogue, patch_norms, patches, scs, sphereconv
+from . import decoupled, decoupled_training, patch_epilogue, patch_norms, patches, scs, sphereconv, unit_kernels
 from .decoupled import DecoupledConv2d, DecoupledLinear, decoupled_conv2d
 from .patches import patch_cosine2d
 from .scs import MaxAbsPool2d, SharpenedCosineSimilarity2d, scs_conv2d
 from .sphereconv import SphereConv2d, SphereLinear, SphereNorm, sphere_conv2d
 
 __all__ = [
-    "patches", "patch_norms", "patch_epilogue", "sphereconv", "scs", "decoupled", "decoupled_training",
+    "patches", "patch_norms", "unit_kernels", "patch_epilogue", "sphereconv", "scs", "decoupled", "decoupled_training",
     "SphereConv2d", "SphereLinear", "SphereNorm", "sphere_conv2d", "SharpenedCosineSimilarity2d", "MaxAbsPool2d",
     "scs_conv2d", "DecoupledConv2d", "DecoupledLinear", "decoupled_conv2d", "patch_cosine2d",
 ]

@@ -25,7 +25,9 @@ float32; outputs take INNER's dtype.
   INNER, one write of y.
 * ``backward_kernel``: program (b g, position block), also a 1-D grid, walks over the group's channels: from
   dL/dy it writes dL/dINNER = dL/dc / m (the clamp passes the gradient, as in ``_DivideByPatchNorm``), and
-  dL/dm = -sum_j dL/dc_j INNER_j / m^2 per position (Tensor[B, G, P]); with ``PARAM`` 2 also the partial sums
+  dL/dm = -sum_j dL/dc_j INNER_j / m^2 per position (Tensor[B, G, P]), or with ``OF_SQ`` the squared norms' own
+  dL/dSQ = dL/dm / 2n (0 where SQ < eps^2, as the floor passes no gradient), which saves the caller six operations
+  (a learned q needs dL/dm itself); with ``PARAM`` 2 also the partial sums
   over its positions of dL/da_j, one row per sample and position block (no atomics).
 """
 
@@ -49,14 +51,16 @@ BACKWARD_BLOCKS = (8, 16, 4) if interpreting() else (16, 64, 8)
 
 @triton.jit
 def _denominator(SQ, Q, q_value, bg, pos, pmask, P, eps2, Q_MODE: tl.constexpr):
-    """m = sqrt(max(SQ, eps^2)) + q; Q_MODE 0: no q, 1: the number ``q_value``, 2: the 0-d tensor at Q."""
+    """(m = n + q, n = sqrt(max(SQ, eps^2)), SQ); Q_MODE 0: no q, 1: the number ``q_value``, 2: the 0-d tensor at
+    Q."""
     sq = tl.load(SQ + bg.to(tl.int64) * P + pos, mask=pmask, other=1.0)
-    m = tl.sqrt(tl.maximum(sq, eps2, propagate_nan=tl.PropagateNan.ALL))
+    n = tl.sqrt(tl.maximum(sq, eps2, propagate_nan=tl.PropagateNan.ALL))
+    m = n
     if Q_MODE == 1:
-        m = m + q_value
+        m = n + q_value
     elif Q_MODE == 2:
-        m = m + tl.load(Q).to(tl.float32)
-    return m
+        m = n + tl.load(Q).to(tl.float32)
+    return m, n, sq
 
 
 @triton.jit
@@ -139,7 +143,7 @@ def forward_kernel(INNER, SQ, Q, A, MAG, OUT, q_value, a_value, G, CG, P, eps2,
     ch = (pid // position_blocks) % channel_blocks * BC + tl.arange(0, BC)
     pos = pid % position_blocks * BP + tl.arange(0, BP)
     cmask, pmask = ch < CG, pos < P
-    m = _denominator(SQ, Q, q_value, bg, pos, pmask, P, eps2, Q_MODE)
+    m, _, _ = _denominator(SQ, Q, q_value, bg, pos, pmask, P, eps2, Q_MODE)
     offsets = (bg.to(tl.int64) * CG + ch[:, None]) * P + pos[None, :]
     mask = cmask[:, None] & pmask[None, :]
     c = _clamp(tl.load(INNER + offsets, mask=mask, other=0.0).to(tl.float32) / m[None, :])
@@ -153,8 +157,9 @@ def forward_kernel(INNER, SQ, Q, A, MAG, OUT, q_value, a_value, G, CG, P, eps2,
 @triton.jit
 def backward_kernel(INNER, SQ, Q, A, MAG, GRAD_Y, GRAD_INNER, GRAD_M, GRAD_A, GRAD_MAG, q_value, a_value, G, CG,
                     P, C_OUT, eps2, Q_MODE: tl.constexpr, EPILOGUE: tl.constexpr, PARAM: tl.constexpr,
-                    HAS_MAG: tl.constexpr, BC: tl.constexpr, BP: tl.constexpr):
-    """dL/dINNER on every channel of the group, dL/dm per position and dL/da partial sums, for BP positions.
+                    HAS_MAG: tl.constexpr, OF_SQ: tl.constexpr, BC: tl.constexpr, BP: tl.constexpr):
+    """dL/dINNER on every channel of the group, dL/dm per position (dL/dSQ with ``OF_SQ``) and dL/da partial sums,
+    for BP positions.
 
     A 1-D grid over (b g, position block); the dL/da partial sums of sample b and position block go to row
     b * blocks + block (the groups write disjoint columns of it)."""
@@ -164,7 +169,7 @@ def backward_kernel(INNER, SQ, Q, A, MAG, GRAD_Y, GRAD_INNER, GRAD_M, GRAD_A, GR
     g = bg % G
     pos = block * BP + tl.arange(0, BP)
     pmask = pos < P
-    m = _denominator(SQ, Q, q_value, bg, pos, pmask, P, eps2, Q_MODE)
+    m, n, sq = _denominator(SQ, Q, q_value, bg, pos, pmask, P, eps2, Q_MODE)
     acc = tl.zeros((BP,), tl.float32)
     acc_mag = tl.zeros((BP,), tl.float32)
     if HAS_MAG:
@@ -189,6 +194,9 @@ def backward_kernel(INNER, SQ, Q, A, MAG, GRAD_Y, GRAD_INNER, GRAD_M, GRAD_A, GR
             grad = grad * dy_dc
         tl.store(GRAD_INNER + offsets, (grad / m[None, :]).to(GRAD_INNER.dtype.element_ty), mask=mask)
         acc += tl.sum(grad * inner, axis=0)
-    tl.store(GRAD_M + bg.to(tl.int64) * P + pos, -acc / (m * m), mask=pmask)
+    grad_m = -acc / (m * m)
+    if OF_SQ:  # dn/dSQ = 1 / 2n above the floor, 0 under it
+        grad_m = grad_m * tl.where(sq >= eps2, 0.5 / n, 0.0)
+    tl.store(GRAD_M + bg.to(tl.int64) * P + pos, grad_m, mask=pmask)
     if HAS_MAG:
         tl.store(GRAD_MAG + bg.to(tl.int64) * P + pos, acc_mag, mask=pmask)

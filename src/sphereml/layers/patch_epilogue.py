@@ -7,8 +7,8 @@ Here the squared patch norms come from one depthwise convolution
 (:func:`~sphereml.layers.patch_norms.squared_patch_norms`, Note [patch norm by convolution] in
 :mod:`~sphereml.layers.patches`), and then one Triton kernel reads the inner products once
 and writes the output, and one backward kernel reads them and dL/dy once and writes dL/d(inner products),
-dL/dm per position (m the divided norm; autograd carries it on to x through
-:func:`~sphereml.layers.patch_norms.squared_patch_norms`) and
+dL/d(squared norms) per position (dL/dm, m the divided norm, where a learned q needs it; autograd carries it on
+to x through :func:`~sphereml.layers.patch_norms.squared_patch_norms`) and
 the partial sums of dL/d(parameter) (:mod:`sphereml.layers._patch_kernels`, with the formulas).  The kernels are the
 custom operators ``sphereml::patch_epilogue`` and ``sphereml::patch_epilogue_backward``, so ``torch.compile``
 traces the layer with ``fullgraph=True``.  They run on CUDA tensors, and on CPU tensors under
@@ -48,7 +48,7 @@ def _slot(tensor: Tensor | None, number: float | None, placeholder: Tensor, defa
 
 
 def _launch(kind: str, inner: Tensor, sq: Tensor, q, q_value, a, a_value, mag, epilogue: int, groups: int,
-            eps: float, grad: Tensor | None = None):
+            eps: float, grad: Tensor | None = None, of_sq: bool = False):
     import triton
 
     from . import _patch_kernels as kernels
@@ -72,7 +72,7 @@ def _launch(kind: str, inner: Tensor, sq: Tensor, q, q_value, a, a_value, mag, e
     grad_mag = torch.empty_like(sq) if mag is not None else placeholder
     kernels.backward_kernel[(b * groups * blocks,)](
         inner, sq, q_slot[0], a_slot[0], mag_ptr, grad.contiguous(), grad_inner, grad_m, partial, grad_mag,
-        q_slot[1], a_slot[1], *sizes, co, eps * eps, **modes, BC=bc, BP=bp, num_warps=warps)
+        q_slot[1], a_slot[1], *sizes, co, eps * eps, **modes, OF_SQ=of_sq, BC=bc, BP=bp, num_warps=warps)
     return (grad_inner, grad_m, partial.sum(0) if a is not None else partial.new_empty(0),
             grad_mag if mag is not None else sq.new_empty(0))
 
@@ -92,14 +92,14 @@ def _(inner, sq, q, q_value, a, a_value, mag, epilogue, groups, eps):
 @custom_op("sphereml::patch_epilogue_backward", mutates_args=())
 def patch_epilogue_backward(grad: Tensor, inner: Tensor, sq: Tensor, q: Tensor | None, q_value: float | None,
                             a: Tensor | None, a_value: float | None, mag: Tensor | None, epilogue: int, groups: int,
-                            eps: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(dL/dinner, dL/dm: Tensor[B, G, H', W'], dL/da: Tensor[C_out], dL/dmag: Tensor[B, G, H', W']; the last
-    two empty without a tensor a or mag): one kernel."""
-    return _launch("backward", inner, sq, q, q_value, a, a_value, mag, epilogue, groups, eps, grad)
+                            eps: float, of_sq: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(dL/dinner, dL/dm (dL/dsq with ``of_sq``): Tensor[B, G, H', W'], dL/da: Tensor[C_out], dL/dmag:
+    Tensor[B, G, H', W']; the last two empty without a tensor a or mag): one kernel."""
+    return _launch("backward", inner, sq, q, q_value, a, a_value, mag, epilogue, groups, eps, grad, of_sq)
 
 
 @patch_epilogue_backward.register_fake
-def _(grad, inner, sq, q, q_value, a, a_value, mag, epilogue, groups, eps):
+def _(grad, inner, sq, q, q_value, a, a_value, mag, epilogue, groups, eps, of_sq):
     return (inner.new_empty(inner.shape), sq.new_empty(sq.shape), sq.new_empty(inner.shape[1] if a is not None else 0),
             sq.new_empty(sq.shape if mag is not None else (0,)))
 
@@ -112,7 +112,8 @@ class _FusedEpilogue(torch.autograd.Function):
     """y = mag f(c) from the inner products and the squared patch norms sq, with the two kernels above.
 
     a: None, a number or Tensor[C_out]; mag: None or Tensor[B, G, H', W'].  dL/dsq = (dL/dm) / 2n where
-    n = sqrt(sq) is above eps (zero under the floor); autograd takes it on to x."""
+    n = sqrt(sq) is above eps (zero under the floor), from the backward kernel unless a learned q needs dL/dm;
+    autograd takes it on to x."""
 
     @staticmethod
     def forward(ctx, inner, sq, q, a, mag, epilogue, groups, eps):
@@ -128,14 +129,16 @@ class _FusedEpilogue(torch.autograd.Function):
     def backward(ctx, grad):
         inner, sq, q, a, mag = ctx.saved_tensors
         epilogue, groups, eps = ctx.settings
+        learned_q = q is not None and ctx.needs_input_grad[2]
         grad_inner, grad_m, grad_a, grad_mag = patch_epilogue_backward(
-            grad, inner, sq, q, ctx.numbers[0], a, ctx.numbers[1], mag, epilogue, groups, eps)
-        grad_q = grad_m.sum().to(q.dtype) if q is not None and ctx.needs_input_grad[2] else None
+            grad, inner, sq, q, ctx.numbers[0], a, ctx.numbers[1], mag, epilogue, groups, eps, not learned_q)
+        grad_q = grad_m.sum().to(q.dtype) if learned_q else None
         grad_a = grad_a.to(a.dtype) if a is not None and ctx.needs_input_grad[3] else None
         grad_mag = grad_mag.to(ctx.mag_dtype) if mag is not None and ctx.needs_input_grad[4] else None
         grad_sq = None
         if ctx.needs_input_grad[1]:
-            grad_sq = grad_m.mul_(0.5).div_(sq.clamp_min(eps * eps).sqrt_()).mul_(sq >= eps * eps)
+            grad_sq = grad_m if not learned_q else grad_m.mul_(0.5).div_(sq.clamp_min(eps * eps).sqrt_()).mul_(
+                sq >= eps * eps)
         return grad_inner, grad_sq, grad_q, grad_a, grad_mag, None, None, None
 
 

@@ -56,9 +56,9 @@ from torch import Tensor
 from .._autograd import Function
 from .._checks import integer, real_number
 from ..angular import DECOUPLED_ANGULAR, angular_activation, check_angular, check_k
-from ..geometry import safe_norm
 from .patch_epilogue import fused_epilogue, per_channel, resolve_backend
 from .patch_norms import box_sum_transpose, patch_norm, squared_patch_norms, times_channels
+from .unit_kernels import unit_kernels
 
 __all__ = ["pair", "check_padding", "conv_arguments", "explicit_padding", "output_size", "patch_cosine2d",
            "patch_norm2d", "patchwise_reference", "sharpen"]
@@ -280,43 +280,6 @@ def sharpen(c: Tensor, p: float | Tensor) -> Tensor:
     return _Sharpen.apply(c, p)[0]
 
 
-class _UnitKernels(Function):
-    """w_hat = w / max(||w||, eps) for each flattened kernel (the w_hat of thesis eq. 3.1), by hand.
-
-    Backward: dw = (g - w_hat (g . w_hat)) / max(||w||, eps), without the projection where the norm is
-    floored (there w_hat = w / eps is linear in w).  15 operations forward + backward where autograd
-    through :func:`~sphereml.geometry.normalize` dispatches 26, once per layer and step.  Once
-    differentiable, as the patch-norm division that follows it.
-    """
-
-    generate_vmap_rule = True
-
-    @staticmethod
-    def forward(weight: Tensor, eps: float) -> tuple[Tensor, Tensor, Tensor]:
-        """(w_hat, max(||w||, eps), ||w|| >= eps), the last two for the context only."""
-        flat = weight.flatten(1)
-        norm = safe_norm(flat, dim=1, keepdim=True)
-        denominator = norm.clamp_min(eps)
-        return (flat / denominator).view_as(weight), denominator, norm >= eps
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.mark_non_differentiable(*output[1:])
-        ctx.set_materialize_grads(False)
-        ctx.save_for_backward(*output)
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad: Tensor | None, *_):
-        if grad is None:
-            return None, None
-        unit, denominator, active = ctx.saved_tensors
-        unit = unit.flatten(1)
-        g = grad.reshape(unit.shape)
-        along = (g * unit).sum(1, keepdim=True) * active
-        return ((g - unit * along) / denominator).view_as(grad), None
-
-
 def patch_cosine2d(x: Tensor, weight: Tensor, stride=1, padding=0, dilation=1, groups: int = 1, eps: float = 1e-6,
                    q: float | Tensor | None = None, angular: str = "cosine", k: float | Tensor = 0.5,
                    power: float | Tensor | None = None, backend: str = "auto") -> Tensor:
@@ -341,7 +304,8 @@ def patch_cosine2d(x: Tensor, weight: Tensor, stride=1, padding=0, dilation=1, g
             shapes broadcast as in :func:`~sphereml.angular.angular_activation`, on the reference path). Default: 0.5.
         power (float or Tensor, optional): sharpening exponent p > 0 (cosine only), shaped as ``k``.
         backend (str): ``"auto"`` (the reference unless ``SPHEREML_FUSED=1``), ``"reference"`` or ``"fused"``
-            (Triton; float32 or half). Default: ``"auto"``.
+            (Triton, float32 or half: the epilogue and the kernels' normalisation, Note [unit kernels in one pass]
+            in :mod:`~sphereml.layers.unit_kernels`). Default: ``"auto"``.
 
     Returns:
         Tensor[B, C_out, H', W'] in [-1, 1].
@@ -357,21 +321,21 @@ def patch_cosine2d(x: Tensor, weight: Tensor, stride=1, padding=0, dilation=1, g
     kernel_size = tuple(weight.shape[2:])
     stride, dilation = pair(stride, "stride", 1), pair(dilation, "dilation", 1)
     x, padding = explicit_padding(x, padding, kernel_size, stride, dilation)
-    w_hat = _UnitKernels.apply(weight, eps)[0]
-    inner = F.conv2d(x, w_hat, None, stride, padding, dilation, groups)  # (B, C_out, H', W')
     if q is not None and not isinstance(q, Tensor):
         q = None if q == 0 else float(q)  # a number stays on the host: no copy to the device per call
-    conv = (kernel_size, stride, padding, dilation, groups, eps)
     epilogue, param = ("sharpen", power) if power is not None else (angular, k)
-    if resolve_backend(backend, x) == "fused":
-        if not per_channel(param, weight.shape[0]):
-            if backend == "fused":
-                raise ValueError(f"the fused epilogue takes k or p as a number, one value or Tensor[C_out, 1, 1], "
-                                 f"got shape {tuple(param.shape)}")
-        else:
-            sq = squared_patch_norms(x, kernel_size, stride, padding, dilation, groups)
-            return fused_epilogue(inner, sq, q, epilogue, param, groups, eps)
-    cos = _DivideByPatchNorm.apply(inner, x, q, *conv)[0]
+    fused = resolve_backend(backend, x) == "fused"
+    if fused and not per_channel(param, weight.shape[0]):
+        if backend == "fused":
+            raise ValueError(f"the fused epilogue takes k or p as a number, one value or Tensor[C_out, 1, 1], "
+                             f"got shape {tuple(param.shape)}")
+        fused = False
+    w_hat = unit_kernels(weight, eps, fused)  # Note [unit kernels in one pass]
+    inner = F.conv2d(x, w_hat, None, stride, padding, dilation, groups)  # (B, C_out, H', W')
+    if fused:
+        sq = squared_patch_norms(x, kernel_size, stride, padding, dilation, groups)
+        return fused_epilogue(inner, sq, q, epilogue, param, groups, eps)
+    cos = _DivideByPatchNorm.apply(inner, x, q, kernel_size, stride, padding, dilation, groups, eps)[0]
     if power is not None:
         return sharpen(cos, power)
     return angular_activation(cos, angular, k)
