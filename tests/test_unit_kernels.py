@@ -16,7 +16,8 @@ if not torch.cuda.is_available():
 
 from conftest import sm90_compile_rows  # noqa: E402
 from sphereml.launches import count_ops  # noqa: E402
-from sphereml.layers import patch_norms  # noqa: E402
+from sphereml.layers import decoupled, patch_norms  # noqa: E402
+from sphereml.layers.decoupled import DecoupledConv2d, decoupled_conv2d  # noqa: E402
 from sphereml.layers.patches import patch_cosine2d  # noqa: E402
 from sphereml.layers.unit_kernels import _UnitKernels, unit_kernels  # noqa: E402
 
@@ -139,16 +140,41 @@ def test_one_kernel_each_way():
 def test_fused_patch_layers_operation_budget(monkeypatch):
     """A fused SphereConv (cosine) and SCS (fixed p and q) forward + backward, the loss's sum included, with the GPU's
     patch norms: 16 operations each (35 with the reference node for the kernels and dL/dm turned into dL/dsq by six
-    operations outside the backward kernel); nn.Conv2d 4."""
+    operations outside the backward kernel); the decoupled operator (TanhConv x cosine) 42 (57 with autograd through
+    its kernels' norms); nn.Conv2d 4."""
     monkeypatch.setattr(patch_norms, "on_accelerator", lambda device: True)
     x = torch.randn(2, 16, 6, 6, device=DEVICE, requires_grad=True)
     w = torch.randn(8, 16, 3, 3, device=DEVICE, requires_grad=True)
     layers = {"nn.Conv2d": lambda: torch.nn.functional.conv2d(x, w, padding=1),
               "SphereConv": lambda: patch_cosine2d(x, w, padding=1, backend="fused"),
-              "SCS": lambda: patch_cosine2d(x, w, padding=1, q=1e-3, power=2.0, backend="fused")}
+              "SCS": lambda: patch_cosine2d(x, w, padding=1, q=1e-3, power=2.0, backend="fused"),
+              "decoupled": lambda: decoupled_conv2d(x, w, padding=1, backend="fused")}
     counts = {name: count_ops(lambda f=layer: torch.autograd.grad(f().sum(), (x, w))).total
               for name, layer in layers.items()}
-    assert counts == {"nn.Conv2d": 4, "SphereConv": 16, "SCS": 16}, counts
+    assert counts == {"nn.Conv2d": 4, "SphereConv": 16, "SCS": 16, "decoupled": 42}, counts
+
+
+@pytest.mark.parametrize("weighted", [False, "linear", "tanh_joint"])
+def test_decoupled_layers_take_the_kernels_unless_weighted(weighted, monkeypatch):
+    """On the fused path an unweighted DecoupledConv2d normalises its kernels by the two kernels; a weighted one keeps
+    autograd through ||w||, which its output needs.  Outputs and gradients as on the reference path."""
+    g = torch.Generator().manual_seed(12)
+    x = torch.randn(2, 4, 6, 6, generator=g).to(DEVICE)
+    layer = DecoupledConv2d(4, 5, 3, padding=1, weighted=weighted).to(DEVICE)
+
+    def step():
+        layer.zero_grad()
+        xx = x.clone().requires_grad_(True)
+        out = layer(xx)
+        out.square().sum().backward()
+        return out.detach(), xx.grad, layer.weight.grad.clone()
+    reference = step()
+    monkeypatch.setattr(decoupled, "resolve_backend", lambda backend, inputs: "fused")
+    fused = step()
+    for got, want in zip(fused, reference):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6 * float(want.abs().max()))
+    ops = count_ops(lambda: layer(x)).by_op
+    assert ("sphereml::unit_kernels" in ops) == (weighted is False), ops
 
 
 def test_fused_unit_kernels_compile_without_graph_breaks():

@@ -32,26 +32,23 @@ the weighted forms of §4.3.5:
 * ``"tanh_separate"`` (eq. 4.16): alpha tanh(||w|| / rho) tanh(||x|| / r) g(theta).
 
 Note [radius normalisation]
-    In the experiments (App. C.2, eqs. C.1-C.3) the radius of BallConv, TanhConv and SegConv is
-    r = rho E{||x||}, with rho learnable (initialised to 1) and E{||x||} a moving average of the
-    layer's patch norms, "similar to BN": without it most radii in the middle layers never move.
-    The seeds do not say whether training uses the batch mean or the average; we use the batch
-    mean in training (as BatchNorm does) and the running average, a no-grad buffer, in evaluation.
-    The average is cumulative over the first 1 / momentum batches and exponential (momentum 0.1)
-    after, so it does not start from an arbitrary value; ``momentum=None`` keeps it cumulative, as
-    BatchNorm's.  The seeds keep one mean per kernel; in a convolution every kernel sees the same
-    patches, so one scalar per layer is the same thing.  With ``radius_norm=True`` a train-mode
-    output is invariant to rescaling the input.  Before evaluating a network trained briefly,
-    :func:`~sphereml.recalibration.recalibrate` re-estimates the average with the weights frozen.
+    In the experiments (App. C.2, eqs. C.1-C.3) the radius of BallConv, TanhConv and SegConv is r = rho E{||x||},
+    with rho learnable (initialised to 1) and E{||x||} a moving average of the layer's patch norms, "similar to BN":
+    without it most radii in the middle layers never move. The seeds do not say whether training uses the batch mean
+    or the average; we use the batch mean in training (as BatchNorm does) and the running average, a no-grad buffer,
+    in evaluation. The average is cumulative over the first 1 / momentum batches and exponential (momentum 0.1)
+    after, so it does not start from an arbitrary value; ``momentum=None`` keeps it cumulative, as BatchNorm's.  The
+    seeds keep one mean per kernel; in a convolution every kernel sees the same patches, so one scalar per layer is
+    the same thing.  With ``radius_norm=True`` a train-mode output is invariant to rescaling the input.  Before
+    evaluating a network trained briefly, :func:`~sphereml.recalibration.recalibrate` re-estimates the average with
+    the weights frozen.
 
 Note [decoupled operator by convolution]
-    Like SphereConv (:mod:`sphereml.layers.patches`), nothing is unfolded: u = conv(x, w_hat) is one
-    ordinary convolution and the patch norms n come from a depthwise convolution of the summed
-    x^2.  For cosine g the output is u h(n) / n: the factor h(n) / n lives on a Tensor[B, G, H', W']
-    (one value per position, not per channel), so the layer costs one convolution plus one
-    broadcast multiplication on the output.  Other g need cos = u / n on the output.  n is floored
-    at ``eps``, so a zero patch gives u = 0, cos = 0 = g(pi/2) and output 0 with finite gradients.
-    :func:`decoupled_conv2d_reference` computes the definition patch by patch, for the tests.
+    Like SphereConv (:mod:`sphereml.layers.patches`), nothing is unfolded: u = conv(x, w_hat) is one convolution and
+    the patch norms n a depthwise convolution of the summed x^2.  For cosine g the output is u h(n) / n, the factor
+    one value per position (Tensor[B, G, H', W']): one convolution and one broadcast product.  Other g need the
+    cosine u / n on the output.  n is floored at ``eps``: a zero patch gives u = 0, cos = 0 = g(pi/2) and output 0
+    with finite gradients.  :func:`decoupled_conv2d_reference` computes the definition patch by patch.
 """
 
 from __future__ import annotations
@@ -68,6 +65,7 @@ from ..angular import DECOUPLED_ANGULAR, angular_activation, angular_function, c
 from ..geometry import safe_norm
 from .patch_epilogue import fused_epilogue, per_channel, resolve_backend
 from .patches import conv_arguments, explicit_padding, pair, patch_norm2d, patchwise_reference
+from .unit_kernels import fusable, unit_kernels
 from .sphereconv import Positive
 
 __all__ = [
@@ -86,9 +84,7 @@ RHO_FLOOR = 1e-3  # a learned rho stays above this (softplus parametrisation)
 
 def default_beta(magnitude: str, beta: float | None = None) -> float:
     """beta of SegConv / MixConv: ``beta`` when given, else App. C.2's 0.5 (seg) or 1 (mix); 0 otherwise."""
-    if beta is not None:
-        return real_number("beta", beta, at_least=0.0)
-    return _DEFAULT_BETA.get(magnitude, 0.0)
+    return _DEFAULT_BETA.get(magnitude, 0.0) if beta is None else real_number("beta", beta, at_least=0.0)
 
 
 def _check_magnitude(magnitude: str) -> str:
@@ -145,21 +141,25 @@ def _magnitude_over_norm(norm: Tensor, magnitude: str, alpha: float, beta: float
     return magnitude_function(norm, magnitude, alpha, beta, radius) / norm
 
 
-def _conv_parts(x: Tensor, weight: Tensor, stride, padding, dilation, groups: int, eps: float, backend="auto"):
+def _conv_parts(x: Tensor, weight: Tensor, stride, padding, dilation, groups: int, eps: float, backend="auto",
+                weighted: str | None = None):
     """(u = conv(x, w_hat) Tensor[B, C_out, H', W'], patch norms Tensor[B, G, H', W'], ||w|| Tensor[C_out], fuse):
-    everything the operator needs from a convolution (Note [decoupled operator by convolution]).  ``fuse(angular,
-    k, h)`` is h g(theta) by the fused epilogue of :mod:`~sphereml.layers.patch_epilogue` where ``backend`` resolves to
-    it (``"auto"``: with ``SPHEREML_FUSED=1`` on CUDA), else False."""
+    what the operator needs from a convolution (Note [decoupled operator by convolution]).  ``fuse(angular, k, h)``:
+    h g(theta) by :mod:`~sphereml.layers.patch_epilogue` where ``backend`` resolves to it, else False; there an
+    unweighted operator's w_hat comes from :mod:`~sphereml.layers.unit_kernels`' kernels and ||w|| is None."""
     kernel_size = tuple(weight.shape[2:])
     stride, dilation = pair(stride, "stride", 1), pair(dilation, "dilation", 1)
     x, padding = explicit_padding(x, padding, kernel_size, stride, dilation)
-    w_norm = weight.flatten(1).norm(dim=1).clamp_min(eps)
-    inner = F.conv2d(x, weight / w_norm.view(-1, 1, 1, 1), None, stride, padding, dilation, groups)
+    fused = resolve_backend(backend, x) == "fused"
+    unit = fused and weighted is None and fusable(weight)  # Note [unit kernels in one pass]
+    w_norm = None if unit else weight.flatten(1).norm(dim=1).clamp_min(eps)
+    w_hat = unit_kernels(weight, eps, True) if unit else weight / w_norm.view(-1, 1, 1, 1)
+    inner = F.conv2d(x, w_hat, None, stride, padding, dilation, groups)
     norm = patch_norm2d(x, kernel_size, stride, padding, dilation, groups, eps)
 
     def fuse(angular, k, h):  # norm is floored at eps already, so sqrt(max(norm^2, eps^2)) = norm
         return fused_epilogue(inner, norm.square(), None, angular, k, groups, eps, magnitude=h)
-    return inner, norm, w_norm, resolve_backend(backend, x) == "fused" and fuse
+    return inner, norm, w_norm, fused and fuse
 
 
 def _linear_parts(x: Tensor, weight: Tensor, eps: float):
@@ -186,8 +186,7 @@ def _response(inner: Tensor, norm: Tensor, w_norm: Tensor, magnitude: str, angul
         h = magnitude_function(norm, magnitude, alpha, beta, radius)
         if h.shape == norm.shape:  # one factor per group and position (a radius per channel gives one per channel)
             return fuse(angular, k, h)
-    shape = (-1,) + (1,) * (inner.dim() - 2)  # ||w|| broadcast over the channel axis
-    w_norm = w_norm.view(shape)
+    w_norm = None if w_norm is None else w_norm.view((-1,) + (1,) * (inner.dim() - 2))  # over the channel axis
     if weighted == "tanh_joint":  # eq. 4.15: alpha tanh(||x|| ||w|| / r) g
         n = _per_channel(norm, inner.shape[1])
         h = alpha * torch.tanh(n * w_norm / radius)
@@ -236,7 +235,7 @@ def decoupled_conv2d(x: Tensor, weight: Tensor, stride=1, padding=0, dilation=1,
     magnitude, weighted = _check_magnitude(magnitude), _check_weighted(weighted, magnitude)
     angular = check_angular(angular, DECOUPLED_ANGULAR)
     beta = default_beta(magnitude, beta)
-    inner, norm, w_norm, fuse = _conv_parts(x, weight, stride, padding, dilation, groups, eps, backend)
+    inner, norm, w_norm, fuse = _conv_parts(x, weight, stride, padding, dilation, groups, eps, backend, weighted)
     return _response(inner, norm, w_norm, magnitude, angular, alpha, beta, _radius(rho, norm_mean), rho, k,
                      weighted, fuse)
 
@@ -400,7 +399,7 @@ class DecoupledConv2d(_DecoupledMixin, nn.Conv2d):
             x = F.pad(x, self._reversed_padding_repeated_twice, mode=self.padding_mode)
             padding = 0
         out = self._operator(*_conv_parts(x, self.weight, self.stride, padding, self.dilation, self.groups,
-                                          self.eps))
+                                          self.eps, weighted=self.weighted))
         return out if self.bias is None else out + self.bias.view(-1, 1, 1)
 
     def extra_repr(self) -> str:

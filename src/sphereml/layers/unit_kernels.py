@@ -1,16 +1,16 @@
 """A patch layer's kernels on the unit sphere: w_hat = w / max(||w||, eps) per kernel (the w_hat of thesis eq. 3.1).
 
 Note [unit kernels in one pass]
-    Every forward of SphereConv and SCS divides each flattened kernel by its norm, and every backward projects the
-    kernels' gradient onto the sphere's tangent space.  The work is tiny (C_out x C_in k^2 values), so on a GPU its
-    cost is launches: :class:`_UnitKernels` takes 9 operations forward (the overflow-safe norm of
-    :func:`~sphereml.geometry.safe_norm` alone takes 6: the largest entry by abs, amax and a floor, a division by it,
-    the norm, a product) and 6 backward, once per layer and step, 15 of a fused patch layer's 35.  On the fused path
-    (``backend="fused"``, or ``SPHEREML_FUSED=1`` on CUDA) two Triton kernels do the same, one each way
-    (:mod:`sphereml.layers._unit_kernels`): the squares summed in float64, which neither overflows nor underflows for
-    any float32 or half row, so the norm needs no scale.  For finite rows whose norm float32 holds, their results
-    equal :class:`_UnitKernels`' to float32's rounding (the kernels multiply by 1 / max(||w||, eps) where the
-    reference divides, and compare the float64 norm with eps; tested under
+    Every forward of SphereConv, SCS and the unweighted decoupled operators divides each flattened kernel by its
+    norm, and every backward projects the kernels' gradient onto the sphere's tangent space.  The work is tiny
+    (C_out x C_in k^2 values), so on a GPU its cost is launches: :class:`_UnitKernels` takes 9 operations forward
+    (the overflow-safe norm of :func:`~sphereml.geometry.safe_norm` alone takes 6: the largest entry by abs, amax
+    and a floor, a division by it, the norm, a product) and 6 backward, once per layer and step, 15 of a fused patch
+    layer's 35.  On the fused path (``backend="fused"``, or ``SPHEREML_FUSED=1`` on CUDA) two Triton kernels do the
+    same, one each way (:mod:`sphereml.layers._unit_kernels`): the squares summed in float64, which neither
+    overflows nor underflows for any float32 or half row, so the norm needs no scale.  For finite rows whose norm
+    float32 holds, their results equal :class:`_UnitKernels`' to float32's rounding (the kernels multiply by 1 /
+    max(||w||, eps) where the reference divides, and compare the float64 norm with eps; tested under
     ``TRITON_INTERPRET=1``, which runs the same kernels on the CPU).  Elsewhere, and for float64 kernels,
     :class:`_UnitKernels` runs: the CPU's numbers are those of the book's runs.
 """
