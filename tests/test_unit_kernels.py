@@ -157,7 +157,9 @@ def test_fused_patch_layers_operation_budget(monkeypatch):
 @pytest.mark.parametrize("weighted", [False, "linear", "tanh_joint"])
 def test_decoupled_layers_take_the_kernels_unless_weighted(weighted, monkeypatch):
     """On the fused path an unweighted DecoupledConv2d normalises its kernels by the two kernels; a weighted one keeps
-    autograd through ||w||, which its output needs.  Outputs and gradients as on the reference path."""
+    autograd through ||w||, which its output needs.  Outputs and gradients as on the reference path (convolutions in
+    full float32 on a GPU: TF32 would round the two paths' kernels, one rounding step apart, to different values)."""
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
     g = torch.Generator().manual_seed(12)
     x = torch.randn(2, 4, 6, 6, generator=g).to(DEVICE)
     layer = DecoupledConv2d(4, 5, 3, padding=1, weighted=weighted).to(DEVICE)
