@@ -25,23 +25,34 @@ BLOCKS = (4, 16, 4) if interpreting() else (8, 128, 4)
 
 
 @triton.jit
+def _rows(R, D, BR: tl.constexpr):
+    """(rows, their mask, each row's first element) of this program's BR rows."""
+    rows = tl.program_id(0) * BR + tl.arange(0, BR)
+    return rows, rows < R, rows[:, None].to(tl.int64) * D
+
+
+@triton.jit
+def _slice(base, rmask, k0, D, BD: tl.constexpr):
+    """(offsets, mask) of the columns k0 .. k0 + BD of the program's rows."""
+    cols = k0 + tl.arange(0, BD)
+    return base + cols[None, :], rmask[:, None] & (cols[None, :] < D)
+
+
+@triton.jit
 def forward_kernel(W, U_OUT, INV_OUT, ACTIVE_OUT, R, D, eps, BR: tl.constexpr, BD: tl.constexpr):
     """u = w / max(||w||, eps), inv and active for rows program * BR.. (see the module docstring)."""
-    rows = tl.program_id(0) * BR + tl.arange(0, BR)
-    rmask = rows < R
-    base = rows[:, None].to(tl.int64) * D
+    rows, rmask, base = _rows(R, D, BR)
     acc = tl.zeros((BR,), tl.float64)
     for k0 in range(0, D, BD):
-        cols = k0 + tl.arange(0, BD)
-        w = tl.load(W + base + cols[None, :], mask=rmask[:, None] & (cols[None, :] < D), other=0.0).to(tl.float64)
+        offsets, mask = _slice(base, rmask, k0, D, BD)
+        w = tl.load(W + offsets, mask=mask, other=0.0).to(tl.float64)
         acc += tl.sum(w * w, axis=1)
     norm = tl.sqrt(acc)
     inv = (1.0 / tl.maximum(norm, eps, propagate_nan=tl.PropagateNan.ALL)).to(tl.float32)  # NaN rows stay NaN
     for k0 in range(0, D, BD):
-        cols = k0 + tl.arange(0, BD)
-        mask = rmask[:, None] & (cols[None, :] < D)
-        w = tl.load(W + base + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        tl.store(U_OUT + base + cols[None, :], (w * inv[:, None]).to(U_OUT.dtype.element_ty), mask=mask)
+        offsets, mask = _slice(base, rmask, k0, D, BD)
+        w = tl.load(W + offsets, mask=mask, other=0.0).to(tl.float32)
+        tl.store(U_OUT + offsets, (w * inv[:, None]).to(U_OUT.dtype.element_ty), mask=mask)
     tl.store(INV_OUT + rows, inv, mask=rmask)
     tl.store(ACTIVE_OUT + rows, tl.where(norm >= eps, 1.0, 0.0).to(tl.float32), mask=rmask)
 
@@ -49,22 +60,16 @@ def forward_kernel(W, U_OUT, INV_OUT, ACTIVE_OUT, R, D, eps, BR: tl.constexpr, B
 @triton.jit
 def backward_kernel(G, U, INV, ACTIVE, GW_OUT, R, D, BR: tl.constexpr, BD: tl.constexpr):
     """dL/dw = inv (dL/du - active (dL/du . u) u) for rows program * BR.. (see the module docstring)."""
-    rows = tl.program_id(0) * BR + tl.arange(0, BR)
-    rmask = rows < R
-    base = rows[:, None].to(tl.int64) * D
+    rows, rmask, base = _rows(R, D, BR)
     dot = tl.zeros((BR,), tl.float32)
     for k0 in range(0, D, BD):
-        cols = k0 + tl.arange(0, BD)
-        mask = rmask[:, None] & (cols[None, :] < D)
-        g = tl.load(G + base + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        u = tl.load(U + base + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        dot += tl.sum(g * u, axis=1)
+        offsets, mask = _slice(base, rmask, k0, D, BD)
+        g = tl.load(G + offsets, mask=mask, other=0.0).to(tl.float32)
+        dot += tl.sum(g * tl.load(U + offsets, mask=mask, other=0.0).to(tl.float32), axis=1)
     inv = tl.load(INV + rows, mask=rmask, other=0.0)
     along = dot * tl.load(ACTIVE + rows, mask=rmask, other=0.0)
     for k0 in range(0, D, BD):
-        cols = k0 + tl.arange(0, BD)
-        mask = rmask[:, None] & (cols[None, :] < D)
-        g = tl.load(G + base + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        u = tl.load(U + base + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        gw = (g - u * along[:, None]) * inv[:, None]
-        tl.store(GW_OUT + base + cols[None, :], gw.to(GW_OUT.dtype.element_ty), mask=mask)
+        offsets, mask = _slice(base, rmask, k0, D, BD)
+        g = tl.load(G + offsets, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(U + offsets, mask=mask, other=0.0).to(tl.float32)
+        tl.store(GW_OUT + offsets, ((g - u * along[:, None]) * inv[:, None]).to(GW_OUT.dtype.element_ty), mask=mask)
