@@ -4,9 +4,9 @@ Candidates: ``nn.Conv2d`` (the baseline), the operator the issue names (TanhConv
 normalised by E{||x||}, thesis eq. C.1), the same with a learned rho, SegConv x square cosine (the
 best no-ReLU operator of Table 4.3), the readable unfold definition
 (:func:`~sphereml.layers.decoupled.decoupled_conv2d_reference`), and on CUDA the TanhConv layer under
-``torch.compile``, and the functional TanhConv x cosine (rho 1) through the reference nodes and through the
-fused Triton epilogue (:mod:`sphereml.layers.patch_epilogue`).  Result files of 2026-11-27 were measured when the
-layers took the fused epilogue on CUDA (their ``note`` says so).
+``torch.compile``, and the functional TanhConv x cosine (rho 1, and a learned rho) through the reference nodes
+and through the fused Triton epilogue (:mod:`sphereml.layers.patch_epilogue`, h in its kernels).  Result files of
+2026-11-27 were measured when the layers took the fused epilogue on CUDA (their ``note`` says so).
 B=32, 64 -> 64 channels, 32x32, 3x3 (and B=128, 128 channels on CUDA).
 Goal: TanhConv x cosine at most 1.5x Conv2d.
 """
@@ -45,6 +45,9 @@ def run(device: torch.device, sizes: list[tuple[int, int, int]] | None = None, r
             for backend in ("reference", "fused"):
                 operators[f"TanhConv cosine, rho 1 ({backend} epilogue)"] = lambda inp, b=backend: decoupled_conv2d(
                     inp, tanh.weight, padding=1, magnitude="tanh", backend=b)
+                operators[f"TanhConv cosine, learned rho ({backend} epilogue)"] = \
+                    lambda inp, b=backend: decoupled_conv2d(inp, learned.weight, padding=1, magnitude="tanh",
+                                                            rho=learned.rho, backend=b)
         name = "decoupled_fwd_bwd" if (b, c, side) == SIZES[0] else f"decoupled_fwd_bwd_b{b}_c{c}_s{side}"
         print(f"--- decoupled operators, B={b}, {c} -> {c} channels, {side}x{side}")
         results[name] = compare(name, forward_backward(operators, x, target), baseline="nn.Conv2d", device=device,

@@ -140,18 +140,28 @@ def test_one_kernel_each_way():
 def test_fused_patch_layers_operation_budget(monkeypatch):
     """A fused SphereConv (cosine) and SCS (fixed p and q) forward + backward, the loss's sum included, with the GPU's
     patch norms: 16 operations each (35 with the reference node for the kernels and dL/dm turned into dL/dsq by six
-    operations outside the backward kernel); the decoupled operator (TanhConv x cosine) 42 (57 with autograd through
-    its kernels' norms); nn.Conv2d 4."""
+    operations outside the backward kernel); the decoupled operator (TanhConv x cosine) 16 too, with h in the kernels
+    (Note [fused decoupled norms]; 42 with the scaled norms and autograd through h, 57 with autograd through its
+    kernels' norms too), with a learned rho too (the kernel writes dL/drho's shares; the operator sums them);
+    nn.Conv2d 4.  Tensors of x's size: 2 passes for nn.Conv2d, 5 for each patch layer."""
     monkeypatch.setattr(patch_norms, "on_accelerator", lambda device: True)
     x = torch.randn(2, 16, 6, 6, device=DEVICE, requires_grad=True)
     w = torch.randn(8, 16, 3, 3, device=DEVICE, requires_grad=True)
+    rho = torch.tensor(1.0, device=DEVICE, requires_grad=True)
     layers = {"nn.Conv2d": lambda: torch.nn.functional.conv2d(x, w, padding=1),
               "SphereConv": lambda: patch_cosine2d(x, w, padding=1, backend="fused"),
               "SCS": lambda: patch_cosine2d(x, w, padding=1, q=1e-3, power=2.0, backend="fused"),
-              "decoupled": lambda: decoupled_conv2d(x, w, padding=1, backend="fused")}
-    counts = {name: count_ops(lambda f=layer: torch.autograd.grad(f().sum(), (x, w))).total
-              for name, layer in layers.items()}
-    assert counts == {"nn.Conv2d": 4, "SphereConv": 16, "SCS": 16, "decoupled": 42}, counts
+              "decoupled": lambda: decoupled_conv2d(x, w, padding=1, backend="fused"),
+              "decoupled, learned rho": lambda: decoupled_conv2d(x, w, padding=1, rho=rho, backend="fused")}
+    counts, passes = {}, {}
+    for name, layer in layers.items():
+        inputs = (x, w, rho) if "rho" in name else (x, w)
+        counts[name] = count_ops(lambda f=layer, i=inputs: torch.autograd.grad(f().sum(), i)).total
+        passes[name] = count_ops(lambda f=layer, i=inputs: torch.autograd.grad(f().sum(), i),
+                                 touching=x.numel()).total - 2 * (name != "nn.Conv2d")  # minus w's two kernels
+    assert counts == {"nn.Conv2d": 4, "SphereConv": 16, "SCS": 16, "decoupled": 16, "decoupled, learned rho": 16}, \
+        counts
+    assert passes == {"nn.Conv2d": 2, "SphereConv": 5, "SCS": 5, "decoupled": 5, "decoupled, learned rho": 5}, passes
 
 
 @pytest.mark.parametrize("weighted", [False, "linear", "tanh_joint"])

@@ -13,6 +13,7 @@ module:
   :mod:`~sphereml.layers.patch_epilogue` (the division and g(theta) in one kernel each way),
   :mod:`~sphereml.layers.sphereconv` (SphereConv2d, SphereLinear, SphereNorm),
   :mod:`~sphereml.layers.scs` (sharpened cosine similarity, max-abs pooling),
+  :mod:`~sphereml.layers.magnitudes` (the decoupled operators' magnitude functions h(||x||)),
   :mod:`~sphereml.layers.decoupled` (decoupled operators h(||w||, ||x||) g(theta)),
   :mod:`~sphereml.layers.decoupled_training` (weight projection, weighted gradients, pretrained start, kernel
   scaling, a radius per channel).

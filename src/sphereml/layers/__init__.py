@@ -9,6 +9,8 @@
   Ch. 3).
 * :mod:`~sphereml.layers.scs` — sharpened cosine similarity, max-abs pooling and the unfold reference (the SCS
   paper).
+* :mod:`~sphereml.layers.magnitudes` — the decoupled operators' magnitude functions h(||x||) (thesis eqs. 4.4-4.10),
+  which the fused epilogue's kernels also evaluate.
 * :mod:`~sphereml.layers.decoupled` — decoupled operators h(||w||, ||x||) g(theta) and their unfold reference
   (thesis Ch. 4).
 * :mod:`~sphereml.layers.decoupled_training` — weight projection, weighted gradients, pretrained initialisation.
@@ -16,14 +18,16 @@
 The layers themselves are importable from here (``from sphereml.layers import SphereConv2d``).
 """
 
-from . import decoupled, decoupled_training, patch_epilogue, patch_norms, patches, scs, sphereconv, unit_kernels
+from . import (decoupled, decoupled_training, magnitudes, patch_epilogue, patch_norms, patches, scs, sphereconv,
+               unit_kernels)
 from .decoupled import DecoupledConv2d, DecoupledLinear, decoupled_conv2d
 from .patches import patch_cosine2d
 from .scs import MaxAbsPool2d, SharpenedCosineSimilarity2d, scs_conv2d
 from .sphereconv import SphereConv2d, SphereLinear, SphereNorm, sphere_conv2d
 
 __all__ = [
-    "patches", "patch_norms", "unit_kernels", "patch_epilogue", "sphereconv", "scs", "decoupled", "decoupled_training",
+    "patches", "patch_norms", "unit_kernels", "patch_epilogue", "sphereconv", "scs", "magnitudes", "decoupled",
+    "decoupled_training",
     "SphereConv2d", "SphereLinear", "SphereNorm", "sphere_conv2d", "SharpenedCosineSimilarity2d", "MaxAbsPool2d",
     "scs_conv2d", "DecoupledConv2d", "DecoupledLinear", "decoupled_conv2d", "patch_cosine2d",
 ]

@@ -14,6 +14,12 @@ c = clamp(INNER / m, -1, 1) and the epilogue y = f(c) is chosen by ``EPILOGUE`` 
 with the parameter a a number (``PARAM`` 1) or one value per channel (``PARAM`` 2).  With ``HAS_MAG`` the
 output is multiplied by a magnitude per position, MAG (Tensor[B, G, P], float32): the h(||x||) of the
 decoupled operators (thesis eq. 4.3), whose gradient dL/dMAG = sum_j dL/dy_j f(c_j) the backward also writes.
+With ``MAGNITUDE`` k > 0 (no q) the kernels evaluate that h themselves from n: the k-th of
+``sphereml.layers.magnitudes.MAGNITUDES`` (sphere, ball, tanh, linear, seg, log, mix; eqs. 4.4-4.10) with the
+numbers alpha and beta and the radius r (``R_MODE`` 1 a number, 2 a 0-d tensor), and the backward adds
+dL/dh dh/dn to dL/dn and, with ``R_GRAD``, writes each program's sum of dL/dh dh/dr.  Their derivatives are those
+of :func:`~sphereml.layers.magnitudes.magnitude_function`'s operations: ball's clamp passes the gradient at n = r,
+seg's branch n <= r takes alpha.
 The derivatives follow the reference nodes exactly: d|c|^a/dc = a |c|^a / max(|c|, 1e-6) (Note [sharpening
 without NaN] in :mod:`sphereml.layers.scs`) and d theta / dc = -1 / sqrt(max(1 - c^2, 1e-10)) (Note [angle for linear
 and sigmoid] in :mod:`sphereml.angular`).  Triton has neither arccos nor tanh: theta comes from the minimax
@@ -103,6 +109,41 @@ def _tanh_sech2(u):
 
 
 @triton.jit
+def _log1p(n):
+    """log(1 + n) to float32's relative precision for small n >= 0 (log(u) n / (u - 1), u = 1 + n rounded)."""
+    u = 1.0 + n
+    return tl.where(u == 1.0, n, tl.log(u) * (n / (u - 1.0)))
+
+
+@triton.jit
+def _magnitude(n, R, r_value, alpha, beta, MAGNITUDE: tl.constexpr, R_MODE: tl.constexpr):
+    """(h(n), dh/dn, dh/dr) of the decoupled operators' MAGNITUDE-th function (eqs. 4.4-4.10) for norms n > 0."""
+    r = r_value
+    if R_MODE == 2:
+        r = tl.load(R).to(tl.float32)
+    zero = tl.zeros(n.shape, tl.float32)
+    if MAGNITUDE == 1:  # sphere
+        return zero + alpha, zero, zero
+    if MAGNITUDE == 2:  # ball: alpha min(n / r, 1)
+        t = n / r
+        inside = n <= r
+        return alpha * tl.where(inside, t, 1.0), tl.where(inside, alpha / r, 0.0), tl.where(inside, -alpha * t / r, 0.0)
+    if MAGNITUDE == 3:  # tanh: alpha tanh(n / r); dh/dr = -dh/dn n / r, no r^2 to underflow
+        t = n / r
+        th, sech2 = _tanh_sech2(t)
+        return alpha * th, alpha * sech2 / r, -(alpha * sech2 / r) * t
+    if MAGNITUDE == 4:  # linear
+        return alpha * n, zero + alpha, zero
+    if MAGNITUDE == 5:  # seg: alpha n up to r, then beta n + (alpha - beta) r
+        inside = n <= r
+        return (tl.where(inside, alpha * n, beta * n + (alpha - beta) * r), tl.where(inside, alpha, beta) + zero,
+                tl.where(inside, 0.0, alpha - beta) + zero)
+    if MAGNITUDE == 6:  # log
+        return alpha * _log1p(n), alpha / (1.0 + n), zero
+    return alpha * n + beta * _log1p(n), alpha + beta / (1.0 + n), zero  # mix
+
+
+@triton.jit
 def _epilogue(c, a, EPILOGUE: tl.constexpr):
     """(y, dy/dc, dy/da) for cosines c (BC, BP) and parameters a (BC, 1)."""
     zero = tl.zeros(c.shape, tl.float32)
@@ -133,9 +174,9 @@ def _clamp(c):
 
 
 @triton.jit
-def forward_kernel(INNER, SQ, Q, A, MAG, OUT, q_value, a_value, G, CG, P, eps2,
+def forward_kernel(INNER, SQ, Q, A, MAG, R, OUT, q_value, a_value, r_value, alpha, beta, G, CG, P, eps2,
                    Q_MODE: tl.constexpr, EPILOGUE: tl.constexpr, PARAM: tl.constexpr, HAS_MAG: tl.constexpr,
-                   BC: tl.constexpr, BP: tl.constexpr):
+                   MAGNITUDE: tl.constexpr, R_MODE: tl.constexpr, BC: tl.constexpr, BP: tl.constexpr):
     """y = f(clamp(INNER / m, -1, 1)) on one (channels, positions) tile; a 1-D grid (no 65,535 limit)."""
     channel_blocks, position_blocks = tl.cdiv(CG, BC), tl.cdiv(P, BP)
     pid = tl.program_id(0)
@@ -143,7 +184,7 @@ def forward_kernel(INNER, SQ, Q, A, MAG, OUT, q_value, a_value, G, CG, P, eps2,
     ch = (pid // position_blocks) % channel_blocks * BC + tl.arange(0, BC)
     pos = pid % position_blocks * BP + tl.arange(0, BP)
     cmask, pmask = ch < CG, pos < P
-    m, _, _ = _denominator(SQ, Q, q_value, bg, pos, pmask, P, eps2, Q_MODE)
+    m, n, _ = _denominator(SQ, Q, q_value, bg, pos, pmask, P, eps2, Q_MODE)
     offsets = (bg.to(tl.int64) * CG + ch[:, None]) * P + pos[None, :]
     mask = cmask[:, None] & pmask[None, :]
     c = _clamp(tl.load(INNER + offsets, mask=mask, other=0.0).to(tl.float32) / m[None, :])
@@ -151,13 +192,17 @@ def forward_kernel(INNER, SQ, Q, A, MAG, OUT, q_value, a_value, G, CG, P, eps2,
     y, _, _ = _epilogue(c, a[:, None], EPILOGUE)
     if HAS_MAG:
         y = y * tl.load(MAG + bg.to(tl.int64) * P + pos, mask=pmask, other=0.0)[None, :]
+    if MAGNITUDE != 0:
+        h, _, _ = _magnitude(n, R, r_value, alpha, beta, MAGNITUDE, R_MODE)
+        y = y * h[None, :]
     tl.store(OUT + offsets, y.to(OUT.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def backward_kernel(INNER, SQ, Q, A, MAG, GRAD_Y, GRAD_INNER, GRAD_M, GRAD_A, GRAD_MAG, q_value, a_value, G, CG,
-                    P, C_OUT, eps2, Q_MODE: tl.constexpr, EPILOGUE: tl.constexpr, PARAM: tl.constexpr,
-                    HAS_MAG: tl.constexpr, OF_SQ: tl.constexpr, BC: tl.constexpr, BP: tl.constexpr):
+def backward_kernel(INNER, SQ, Q, A, MAG, R, GRAD_Y, GRAD_INNER, GRAD_M, GRAD_A, GRAD_MAG, GRAD_R, q_value, a_value,
+                    r_value, alpha, beta, G, CG, P, C_OUT, eps2, Q_MODE: tl.constexpr, EPILOGUE: tl.constexpr,
+                    PARAM: tl.constexpr, HAS_MAG: tl.constexpr, MAGNITUDE: tl.constexpr, R_MODE: tl.constexpr,
+                    R_GRAD: tl.constexpr, OF_SQ: tl.constexpr, BC: tl.constexpr, BP: tl.constexpr):
     """dL/dINNER on every channel of the group, dL/dm per position (dL/dSQ with ``OF_SQ``) and dL/da partial sums,
     for BP positions.
 
@@ -174,6 +219,8 @@ def backward_kernel(INNER, SQ, Q, A, MAG, GRAD_Y, GRAD_INNER, GRAD_M, GRAD_A, GR
     acc_mag = tl.zeros((BP,), tl.float32)
     if HAS_MAG:
         mag = tl.load(MAG + bg.to(tl.int64) * P + pos, mask=pmask, other=0.0)
+    if MAGNITUDE != 0:
+        mag, dh_dn, dh_dr = _magnitude(n, R, r_value, alpha, beta, MAGNITUDE, R_MODE)
     partial_row = ((bg // G).to(tl.int64) * position_blocks + block) * C_OUT
     for c0 in range(0, CG, BC):
         ch = c0 + tl.arange(0, BC)
@@ -182,11 +229,11 @@ def backward_kernel(INNER, SQ, Q, A, MAG, GRAD_Y, GRAD_INNER, GRAD_M, GRAD_A, GR
         mask = cmask[:, None] & pmask[None, :]
         inner = tl.load(INNER + offsets, mask=mask, other=0.0).to(tl.float32)
         grad = tl.load(GRAD_Y + offsets, mask=mask, other=0.0).to(tl.float32)
-        if EPILOGUE != 0 or HAS_MAG:
+        if EPILOGUE != 0 or HAS_MAG or MAGNITUDE != 0:
             c = _clamp(inner / m[None, :])
             a = _parameter(A, a_value, g, ch, cmask, CG, PARAM)
             y, dy_dc, dy_da = _epilogue(c, a[:, None], EPILOGUE)
-            if HAS_MAG:
+            if HAS_MAG or MAGNITUDE != 0:
                 acc_mag += tl.sum(grad * y, axis=0)
                 grad = grad * mag[None, :]
             if PARAM == 2:
@@ -195,6 +242,10 @@ def backward_kernel(INNER, SQ, Q, A, MAG, GRAD_Y, GRAD_INNER, GRAD_M, GRAD_A, GR
         tl.store(GRAD_INNER + offsets, (grad / m[None, :]).to(GRAD_INNER.dtype.element_ty), mask=mask)
         acc += tl.sum(grad * inner, axis=0)
     grad_m = -acc / (m * m)
+    if MAGNITUDE != 0:  # m = n: h's share of dL/dn
+        grad_m += acc_mag * dh_dn
+    if R_GRAD:  # this program's share of dL/dr
+        tl.store(GRAD_R + pid, tl.sum(acc_mag * dh_dr, axis=0))
     if OF_SQ:  # dn/dSQ = 1 / 2n above the floor, 0 under it
         grad_m = grad_m * tl.where(sq >= eps2, 0.5 / n, 0.0)
     tl.store(GRAD_M + bg.to(tl.int64) * P + pos, grad_m, mask=pmask)

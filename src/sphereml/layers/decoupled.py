@@ -49,6 +49,16 @@ Note [decoupled operator by convolution]
     one value per position (Tensor[B, G, H', W']): one convolution and one broadcast product.  Other g need the
     cosine u / n on the output.  n is floored at ``eps``: a zero patch gives u = 0, cos = 0 = g(pi/2) and output 0
     with finite gradients.  :func:`decoupled_conv2d_reference` computes the definition patch by patch.
+
+Note [fused decoupled norms]
+    On the fused path (``backend="fused"``) an unweighted operator takes SphereConv's squared patch norms s (one
+    reduction of x and a box sum) and the epilogue's kernels evaluate h and its derivatives at n = sqrt(max(s, eps^2))
+    themselves (:class:`~sphereml.layers.magnitudes.Magnitude`), radius included when it is one value, learned or
+    not (a radius per channel, or a tensor alpha or beta, keeps h on autograd).  The scaled norms of Note [patch
+    norm without overflow] would cost two more passes over x; s in float32 bounds n by 1.8e19, as it bounds
+    SphereConv's cosines on either path.  Counted on the CPU with the GPU's forms (``tests/test_unit_kernels.py``):
+    16 operations forward + backward, as SphereConv (42 with the scaled norms and autograd through h), and 5 passes
+    over x-sized tensors (7).
 """
 
 from __future__ import annotations
@@ -63,7 +73,10 @@ from torch.nn.utils import parametrize
 from .._checks import integer, one_of, real_number
 from ..angular import DECOUPLED_ANGULAR, angular_activation, angular_function, check_angular, check_k
 from ..geometry import safe_norm
+from .magnitudes import (BOUNDED_MAGNITUDES, MAGNITUDES, RADIUS_MAGNITUDES, Magnitude, check_magnitude,
+                         default_beta, magnitude_function, magnitude_over_norm)
 from .patch_epilogue import fused_epilogue, per_channel, resolve_backend
+from .patch_norms import squared_patch_norms
 from .patches import conv_arguments, explicit_padding, pair, patch_norm2d, patchwise_reference
 from .unit_kernels import fusable, unit_kernels
 from .sphereconv import Positive
@@ -74,21 +87,8 @@ __all__ = [
     "DecoupledLinear", "decoupled_layers", "decoupled_factory", "RHO_FLOOR",
 ]
 
-MAGNITUDES = ("sphere", "ball", "tanh", "linear", "seg", "log", "mix")
-RADIUS_MAGNITUDES = ("ball", "tanh", "seg")  # the operators with a radius rho (eqs. 4.5, 4.6, 4.8)
-BOUNDED_MAGNITUDES = ("sphere", "ball", "tanh")
 WEIGHTINGS = ("linear", "tanh_joint", "tanh_separate")  # §4.3.5: ||w|| times h, eq. 4.15, eq. 4.16
-_DEFAULT_BETA = {"seg": 0.5, "mix": 1.0}  # App. C.2
 RHO_FLOOR = 1e-3  # a learned rho stays above this (softplus parametrisation)
-
-
-def default_beta(magnitude: str, beta: float | None = None) -> float:
-    """beta of SegConv / MixConv: ``beta`` when given, else App. C.2's 0.5 (seg) or 1 (mix); 0 otherwise."""
-    return _DEFAULT_BETA.get(magnitude, 0.0) if beta is None else real_number("beta", beta, at_least=0.0)
-
-
-def _check_magnitude(magnitude: str) -> str:
-    return one_of("magnitude", magnitude, MAGNITUDES)
 
 
 def _check_weighted(weighted, magnitude: str) -> str | None:
@@ -101,52 +101,13 @@ def _check_weighted(weighted, magnitude: str) -> str | None:
     return weighted
 
 
-def magnitude_function(norm: Tensor, magnitude: str = "tanh", alpha: float = 1.0, beta: float | None = None,
-                       radius: float | Tensor = 1.0) -> Tensor:
-    """h(||x||) of eqs. 4.4-4.10 (see the module table) at the norms ``norm``.
-
-    Args:
-        norm (Tensor): patch (or input) norms >= 0.
-        magnitude (str): one of :data:`MAGNITUDES`.
-        alpha (float), beta (float, optional): the operator's constants (beta: SegConv's slope beyond the
-            radius, MixConv's log weight; default :func:`default_beta`).
-        radius (float or Tensor): r for ball, tanh and seg (rho, or rho E{||x||}); broadcast against ``norm``.
-
-    Returns:
-        Tensor shaped like ``norm`` (broadcast with ``radius``).
-    """
-    magnitude = _check_magnitude(magnitude)
-    beta = default_beta(magnitude, beta)
-    if magnitude == "sphere":
-        return torch.full_like(norm, alpha)
-    if magnitude == "ball":
-        return alpha * torch.clamp(norm / radius, max=1.0)
-    if magnitude == "tanh":
-        return alpha * torch.tanh(norm / radius)
-    if magnitude == "linear":
-        return alpha * norm
-    if magnitude == "seg":
-        return torch.where(norm <= radius, alpha * norm, beta * norm + (alpha - beta) * radius)
-    if magnitude == "log":
-        return alpha * torch.log1p(norm)
-    return alpha * norm + beta * torch.log1p(norm)
-
-
-def _magnitude_over_norm(norm: Tensor, magnitude: str, alpha: float, beta: float, radius) -> Tensor:
-    """h(n) / n for n >= eps > 0, in the forms that stay exact for small n (the cosine fast path)."""
-    if magnitude == "linear":
-        return torch.full_like(norm, alpha)
-    if magnitude == "ball":
-        return alpha / norm.clamp_min(radius)  # a float radius needs no copy to the device
-    return magnitude_function(norm, magnitude, alpha, beta, radius) / norm
-
-
 def _conv_parts(x: Tensor, weight: Tensor, stride, padding, dilation, groups: int, eps: float, backend="auto",
                 weighted: str | None = None):
     """(u = conv(x, w_hat) Tensor[B, C_out, H', W'], patch norms Tensor[B, G, H', W'], ||w|| Tensor[C_out], fuse):
     what the operator needs from a convolution (Note [decoupled operator by convolution]).  ``fuse(angular, k, h)``:
-    h g(theta) by :mod:`~sphereml.layers.patch_epilogue` where ``backend`` resolves to it, else False; there an
-    unweighted operator's w_hat comes from :mod:`~sphereml.layers.unit_kernels`' kernels and ||w|| is None."""
+    h g(theta) by :mod:`~sphereml.layers.patch_epilogue` for an unweighted operator where ``backend`` resolves to it
+    (Note [fused decoupled norms]; w_hat from :mod:`~sphereml.layers.unit_kernels`, ||w|| None, and the norms a
+    function that computes them when asked), else False."""
     kernel_size = tuple(weight.shape[2:])
     stride, dilation = pair(stride, "stride", 1), pair(dilation, "dilation", 1)
     x, padding = explicit_padding(x, padding, kernel_size, stride, dilation)
@@ -155,11 +116,16 @@ def _conv_parts(x: Tensor, weight: Tensor, stride, padding, dilation, groups: in
     w_norm = None if unit else weight.flatten(1).norm(dim=1).clamp_min(eps)
     w_hat = unit_kernels(weight, eps, True) if unit else weight / w_norm.view(-1, 1, 1, 1)
     inner = F.conv2d(x, w_hat, None, stride, padding, dilation, groups)
-    norm = patch_norm2d(x, kernel_size, stride, padding, dilation, groups, eps)
+    if not (fused and weighted is None):
+        return inner, patch_norm2d(x, kernel_size, stride, padding, dilation, groups, eps), w_norm, False
+    sq = squared_patch_norms(x, kernel_size, stride, padding, dilation, groups)  # Note [fused decoupled norms]
 
-    def fuse(angular, k, h):  # norm is floored at eps already, so sqrt(max(norm^2, eps^2)) = norm
-        return fused_epilogue(inner, norm.square(), None, angular, k, groups, eps, magnitude=h)
-    return inner, norm, w_norm, fused and fuse
+    def norm():  # asked for only where the kernels do not take h, or for E{||x||}; in x's dtype, as patch_norm2d's
+        return sq.clamp_min(eps * eps).sqrt().to(x.dtype)
+
+    def fuse(angular, k, h):
+        return fused_epilogue(inner, sq, None, angular, k, groups, eps, magnitude=h)
+    return inner, norm, w_norm, fuse
 
 
 def _linear_parts(x: Tensor, weight: Tensor, eps: float):
@@ -178,21 +144,27 @@ def _per_channel(norm: Tensor, channels: int) -> Tensor:
     return norm if groups == 1 else norm.repeat_interleave(channels // groups, dim=1)
 
 
-def _response(inner: Tensor, norm: Tensor, w_norm: Tensor, magnitude: str, angular: str, alpha: float,
-              beta: float, radius, rho, k, weighted: str | None, fuse=None) -> Tensor:
-    """h g from u = w_hat . x (Tensor[B, C, ...]), the patch norms (Tensor[B, G, ...]) and ||w|| (Tensor[C]);
-    unweighted operators through ``fuse`` (see :func:`_conv_parts`) where it is given."""
+def _response(inner: Tensor, norm: Tensor | Callable[[], Tensor], w_norm: Tensor, magnitude: str, angular: str,
+              alpha: float, beta: float, radius, rho, k, weighted: str | None, fuse=None) -> Tensor:
+    """h g from u = w_hat . x (Tensor[B, C, ...]), the patch norms (Tensor[B, G, ...], or a function giving them)
+    and ||w|| (Tensor[C]); unweighted operators through ``fuse`` (see :func:`_conv_parts`) where it is given."""
     if fuse and weighted is None and per_channel(k, inner.shape[1]):
+        numbers = not isinstance(alpha, Tensor) and not isinstance(beta, Tensor)  # a tensor keeps its gradient
+        if numbers and (not isinstance(radius, Tensor) or radius.numel() == 1):  # Note [fused decoupled norms]
+            radius = radius if magnitude in RADIUS_MAGNITUDES else 1.0  # no gradient for an unused radius
+            return fuse(angular, k, Magnitude(magnitude, alpha, beta, radius))
+        norm = norm()
         h = magnitude_function(norm, magnitude, alpha, beta, radius)
         if h.shape == norm.shape:  # one factor per group and position (a radius per channel gives one per channel)
             return fuse(angular, k, h)
+    norm = norm() if callable(norm) else norm
     w_norm = None if w_norm is None else w_norm.view((-1,) + (1,) * (inner.dim() - 2))  # over the channel axis
     if weighted == "tanh_joint":  # eq. 4.15: alpha tanh(||x|| ||w|| / r) g
         n = _per_channel(norm, inner.shape[1])
         h = alpha * torch.tanh(n * w_norm / radius)
         return h * angular_activation((inner / n).clamp(-1.0, 1.0), angular, k)
     if angular == "cosine":  # Note [decoupled operator by convolution]: u h(n) / n
-        out = inner * _per_channel(_magnitude_over_norm(norm, magnitude, alpha, beta, radius), inner.shape[1])
+        out = inner * _per_channel(magnitude_over_norm(norm, magnitude, alpha, beta, radius), inner.shape[1])
     else:
         n = _per_channel(norm, inner.shape[1])
         g = angular_activation((inner / n).clamp(-1.0, 1.0), angular, k)
@@ -232,7 +204,7 @@ def decoupled_conv2d(x: Tensor, weight: Tensor, stride=1, padding=0, dilation=1,
     Returns:
         Tensor[B, C_out, H', W'].
     """
-    magnitude, weighted = _check_magnitude(magnitude), _check_weighted(weighted, magnitude)
+    magnitude, weighted = check_magnitude(magnitude), _check_weighted(weighted, magnitude)
     angular = check_angular(angular, DECOUPLED_ANGULAR)
     beta = default_beta(magnitude, beta)
     inner, norm, w_norm, fuse = _conv_parts(x, weight, stride, padding, dilation, groups, eps, backend, weighted)
@@ -246,7 +218,7 @@ def decoupled_linear(x: Tensor, weight: Tensor, magnitude: str = "tanh", angular
                      eps: float = 1e-6) -> Tensor:
     """The decoupled operator on a fully connected layer: x (Tensor[..., in]) against each row of
     ``weight`` (Tensor[out, in]); other arguments as in :func:`decoupled_conv2d`.  Returns Tensor[..., out]."""
-    magnitude, weighted = _check_magnitude(magnitude), _check_weighted(weighted, magnitude)
+    magnitude, weighted = check_magnitude(magnitude), _check_weighted(weighted, magnitude)
     angular = check_angular(angular, DECOUPLED_ANGULAR)
     inner, norm, w_norm = _linear_parts(x, weight, eps)
     out = _response(inner, norm, w_norm, magnitude, angular, alpha, default_beta(magnitude, beta),
@@ -262,15 +234,16 @@ def decoupled_conv2d_reference(x: Tensor, weight: Tensor, stride=1, padding=0, d
     :func:`decoupled_conv2d`, for tests and benchmarks.
 
     Every receptive field x and kernel w are flattened; ||x||, ||w|| and theta = arccos(w . x / (||w|| ||x||))
-    are taken, and f = h g is evaluated from eq. 4.3 with h of eqs. 4.4-4.10 (:func:`magnitude_function`),
-    g of eqs. 4.11-4.14 evaluated at the angle, and the weighted forms of §4.3.5.  ``radius`` is r (already
+    are taken, and f = h g is evaluated from eq. 4.3 with h of eqs. 4.4-4.10
+    (:func:`~sphereml.layers.magnitudes.magnitude_function`), g of eqs. 4.11-4.14 evaluated at the angle, and the
+    weighted forms of §4.3.5.  ``radius`` is r (already
     rho E{||x||} for a radius-normalised layer); ``rho`` is the ||w|| scale of eq. 4.16.  Integer padding;
     no floor: a zero patch gives NaN here.
 
     Returns:
         Tensor[B, C_out, H', W'].
     """
-    weighted = _check_weighted(weighted, _check_magnitude(magnitude))
+    weighted = _check_weighted(weighted, check_magnitude(magnitude))
 
     def group(ws: Tensor, patches: Tensor, rows: slice) -> Tensor:
         x_norm = patches.norm(dim=1)[:, None, :]  # (B, 1, L)
@@ -295,7 +268,7 @@ class _DecoupledMixin:
     def _init_decoupled(self, magnitude: str, angular: str, alpha: float, beta: float | None, rho: float,
                         learnable_rho: bool, radius_norm: bool, weighted, k: float, momentum: float | None,
                         eps: float, factory: dict) -> None:
-        self.magnitude = _check_magnitude(magnitude)
+        self.magnitude = check_magnitude(magnitude)
         self.angular = check_angular(angular, DECOUPLED_ANGULAR)
         self.weighted = _check_weighted(weighted, self.magnitude)
         self.alpha = real_number("alpha", alpha, above=0.0)
@@ -319,13 +292,13 @@ class _DecoupledMixin:
             self.register_buffer("norm_mean", torch.ones((), **factory))
             self.register_buffer("norm_mean_updates", torch.zeros((), dtype=torch.long, device=factory["device"]))
 
-    def _norm_mean(self, norm: Tensor) -> Tensor | None:
+    def _norm_mean(self, norm: Tensor | Callable[[], Tensor]) -> Tensor | None:
         """E{||x||}: the batch mean in training (updating the running buffer), the buffer in evaluation."""
         if not self.radius_norm:
             return None
         if not self.training:
             return self.norm_mean
-        batch_mean = norm.detach().mean()
+        batch_mean = (norm() if callable(norm) else norm).detach().mean()
         with torch.no_grad():
             weight = (self.norm_mean_updates.to(self.norm_mean.dtype) + 1.0).reciprocal()  # cumulative average ...
             if self.momentum is not None:
@@ -341,7 +314,7 @@ class _DecoupledMixin:
             self.norm_mean.fill_(1.0)
             self.norm_mean_updates.zero_()
 
-    def _operator(self, inner: Tensor, norm: Tensor, w_norm: Tensor, fuse=None) -> Tensor:
+    def _operator(self, inner: Tensor, norm: Tensor | Callable[[], Tensor], w_norm: Tensor, fuse=None) -> Tensor:
         return _response(inner, norm, w_norm, self.magnitude, self.angular, self.alpha, self.beta,
                          _radius(self.rho, self._norm_mean(norm)), self.rho, self.k, self.weighted, fuse)
 

@@ -23,6 +23,7 @@ from torch import Tensor
 
 from .._custom_ops import custom_op
 from ..energy.triton_backend import choose_backend, usable_on
+from .magnitudes import Magnitude
 
 __all__ = ["EPILOGUES", "resolve_backend", "fused_epilogue", "per_channel"]
 
@@ -47,61 +48,78 @@ def _slot(tensor: Tensor | None, number: float | None, placeholder: Tensor, defa
     return (placeholder, default, 0) if number is None else (placeholder, number, 1)
 
 
-def _launch(kind: str, inner: Tensor, sq: Tensor, q, q_value, a, a_value, mag, epilogue: int, groups: int,
-            eps: float, grad: Tensor | None = None, of_sq: bool = False):
+def _launch(kind: str, inner: Tensor, sq: Tensor, q, q_value, a, a_value, mag, h: tuple, epilogue: int,
+            groups: int, eps: float, grad: Tensor | None = None, of_sq: bool = False, r_grad: bool = False):
+    """``h``: (the kernels' MAGNITUDE number, alpha, beta, radius tensor or None, radius number or None)."""
     import triton
 
     from . import _patch_kernels as kernels
 
     (b, co, ho, wo), placeholder = inner.shape, sq.new_empty(1)
+    code, alpha, beta, r, r_value = h
+    if code and (mag is not None or q is not None or q_value is not None):
+        raise ValueError("the kernels evaluate h (MAGNITUDE) without a magnitude tensor and without q")
     q_slot, a_slot = _slot(q, q_value, placeholder, 0.0), _slot(a, a_value, placeholder, 1.0)
-    modes = {"Q_MODE": q_slot[2], "EPILOGUE": epilogue, "PARAM": a_slot[2], "HAS_MAG": mag is not None}
-    mag_ptr = placeholder if mag is None else mag.contiguous()
-    sizes, inner = (groups, co // groups, ho * wo), inner.contiguous()
+    r_slot = _slot(r, r_value, placeholder, 1.0)
+    modes = {"Q_MODE": q_slot[2], "EPILOGUE": epilogue, "PARAM": a_slot[2], "HAS_MAG": mag is not None,
+             "MAGNITUDE": code, "R_MODE": r_slot[2]}
+    numbers = (q_slot[1], a_slot[1], r_slot[1], alpha, beta)
+    pointers = (inner.contiguous(), sq, q_slot[0], a_slot[0], placeholder if mag is None else mag.contiguous(),
+                r_slot[0])
+    sizes = (groups, co // groups, ho * wo)
     if kind == "forward":
         bc, bp, warps = kernels.FORWARD_BLOCKS
         out = torch.empty(inner.shape, dtype=inner.dtype, device=inner.device)
         grid = (b * groups * triton.cdiv(co // groups, bc) * triton.cdiv(ho * wo, bp),)
-        kernels.forward_kernel[grid](inner, sq, q_slot[0], a_slot[0], mag_ptr, out, q_slot[1], a_slot[1], *sizes,
-                                     eps * eps, **modes, BC=bc, BP=bp, num_warps=warps)
+        kernels.forward_kernel[grid](*pointers, out, *numbers, *sizes, eps * eps, **modes, BC=bc, BP=bp,
+                                     num_warps=warps)
         return out
     bc, bp, warps = kernels.BACKWARD_BLOCKS
     blocks = triton.cdiv(ho * wo, bp)
     grad_inner, grad_m = torch.empty(inner.shape, dtype=inner.dtype, device=inner.device), torch.empty_like(sq)
     partial = torch.zeros(b * blocks if a is not None else 1, co, device=sq.device)
     grad_mag = torch.empty_like(sq) if mag is not None else placeholder
+    grad_r = sq.new_empty(b * groups * blocks if r_grad else 1)
     kernels.backward_kernel[(b * groups * blocks,)](
-        inner, sq, q_slot[0], a_slot[0], mag_ptr, grad.contiguous(), grad_inner, grad_m, partial, grad_mag,
-        q_slot[1], a_slot[1], *sizes, co, eps * eps, **modes, OF_SQ=of_sq, BC=bc, BP=bp, num_warps=warps)
+        *pointers, grad.contiguous(), grad_inner, grad_m, partial, grad_mag, grad_r, *numbers, *sizes, co,
+        eps * eps, **modes, R_GRAD=r_grad, OF_SQ=of_sq, BC=bc, BP=bp, num_warps=warps)
     return (grad_inner, grad_m, partial.sum(0) if a is not None else partial.new_empty(0),
-            grad_mag if mag is not None else sq.new_empty(0))
+            grad_mag if mag is not None else sq.new_empty(0), grad_r.sum() if r_grad else sq.new_empty(0))
 
 
 @custom_op("sphereml::patch_epilogue", mutates_args=())
 def patch_epilogue(inner: Tensor, sq: Tensor, q: Tensor | None, q_value: float | None, a: Tensor | None,
-                   a_value: float | None, mag: Tensor | None, epilogue: int, groups: int, eps: float) -> Tensor:
-    """y = mag f(clamp(inner / (sqrt(max(sq, eps^2)) + q), -1, 1)), f the epilogue with parameter a: one kernel."""
-    return _launch("forward", inner, sq, q, q_value, a, a_value, mag, epilogue, groups, eps)
+                   a_value: float | None, mag: Tensor | None, h_code: int, h_alpha: float, h_beta: float,
+                   r: Tensor | None, r_value: float | None, epilogue: int, groups: int, eps: float) -> Tensor:
+    """y = mag h(n) f(clamp(inner / (n + q), -1, 1)), n = sqrt(max(sq, eps^2)), f the epilogue with parameter a,
+    h the magnitude numbered ``h_code`` (1 when 0) with radius r: one kernel."""
+    h = (h_code, h_alpha, h_beta, r, r_value)
+    return _launch("forward", inner, sq, q, q_value, a, a_value, mag, h, epilogue, groups, eps)
 
 
 @patch_epilogue.register_fake
-def _(inner, sq, q, q_value, a, a_value, mag, epilogue, groups, eps):
+def _(inner, sq, q, q_value, a, a_value, mag, h_code, h_alpha, h_beta, r, r_value, epilogue, groups, eps):
     return inner.new_empty(inner.shape)
 
 
 @custom_op("sphereml::patch_epilogue_backward", mutates_args=())
 def patch_epilogue_backward(grad: Tensor, inner: Tensor, sq: Tensor, q: Tensor | None, q_value: float | None,
-                            a: Tensor | None, a_value: float | None, mag: Tensor | None, epilogue: int, groups: int,
-                            eps: float, of_sq: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(dL/dinner, dL/dm (dL/dsq with ``of_sq``): Tensor[B, G, H', W'], dL/da: Tensor[C_out], dL/dmag:
-    Tensor[B, G, H', W']; the last two empty without a tensor a or mag): one kernel."""
-    return _launch("backward", inner, sq, q, q_value, a, a_value, mag, epilogue, groups, eps, grad, of_sq)
+                            a: Tensor | None, a_value: float | None, mag: Tensor | None, h_code: int,
+                            h_alpha: float, h_beta: float, r: Tensor | None, r_value: float | None, epilogue: int,
+                            groups: int, eps: float, of_sq: bool, r_grad: bool
+                            ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(dL/dinner, dL/dm (dL/dsq with ``of_sq``; h's share included): Tensor[B, G, H', W'], dL/da: Tensor[C_out],
+    dL/dmag: Tensor[B, G, H', W'], dL/dr: a 0-d tensor with ``r_grad``; the last three empty without a tensor a,
+    mag or ``r_grad``): one kernel."""
+    h = (h_code, h_alpha, h_beta, r, r_value)
+    return _launch("backward", inner, sq, q, q_value, a, a_value, mag, h, epilogue, groups, eps, grad, of_sq, r_grad)
 
 
 @patch_epilogue_backward.register_fake
-def _(grad, inner, sq, q, q_value, a, a_value, mag, epilogue, groups, eps, of_sq):
+def _(grad, inner, sq, q, q_value, a, a_value, mag, h_code, h_alpha, h_beta, r, r_value, epilogue, groups, eps,
+      of_sq, r_grad):
     return (inner.new_empty(inner.shape), sq.new_empty(sq.shape), sq.new_empty(inner.shape[1] if a is not None else 0),
-            sq.new_empty(sq.shape if mag is not None else (0,)))
+            sq.new_empty(sq.shape if mag is not None else (0,)), sq.new_empty(() if r_grad else (0,)))
 
 
 def _split(value: Tensor | float | None) -> tuple[Tensor | None, float | None]:
@@ -109,29 +127,31 @@ def _split(value: Tensor | float | None) -> tuple[Tensor | None, float | None]:
 
 
 class _FusedEpilogue(torch.autograd.Function):
-    """y = mag f(c) from the inner products and the squared patch norms sq, with the two kernels above.
+    """y = mag h(n) f(c) from the inner products and the squared patch norms sq, with the two kernels above.
 
-    a: None, a number or Tensor[C_out]; mag: None or Tensor[B, G, H', W'].  dL/dsq = (dL/dm) / 2n where
-    n = sqrt(sq) is above eps (zero under the floor), from the backward kernel unless a learned q needs dL/dm;
-    autograd takes it on to x."""
+    a: None, a number or Tensor[C_out]; mag: None or Tensor[B, G, H', W']; r: h's radius as a 0-d tensor, or None;
+    h: (MAGNITUDE number, alpha, beta, radius number or None), (0, 0, 0, None) for no h.  dL/dsq = (dL/dn) / 2n
+    where n = sqrt(sq) is above eps (zero under the floor), from the backward kernel unless a learned q needs
+    dL/dm; autograd takes it on to x."""
 
     @staticmethod
-    def forward(ctx, inner, sq, q, a, mag, epilogue, groups, eps):
+    def forward(ctx, inner, sq, q, a, mag, r, h, epilogue, groups, eps):
         sq = sq.float().contiguous()
         ctx.mag_dtype = None if mag is None else mag.dtype
         mag = None if mag is None else mag.float().contiguous()
-        ctx.save_for_backward(inner, sq, *(_split(v)[0] for v in (q, a)), mag)
-        ctx.numbers, ctx.settings = (_split(q)[1], _split(a)[1]), (epilogue, groups, eps)
-        return patch_epilogue(inner, sq, *_split(q), *_split(a), mag, epilogue, groups, eps)
+        ctx.save_for_backward(inner, sq, *(_split(v)[0] for v in (q, a)), mag, r)
+        ctx.numbers, ctx.settings = (_split(q)[1], _split(a)[1]), (h, epilogue, groups, eps)
+        return patch_epilogue(inner, sq, *_split(q), *_split(a), mag, *h[:3], r, h[3], epilogue, groups, eps)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad):
-        inner, sq, q, a, mag = ctx.saved_tensors
-        epilogue, groups, eps = ctx.settings
-        learned_q = q is not None and ctx.needs_input_grad[2]
-        grad_inner, grad_m, grad_a, grad_mag = patch_epilogue_backward(
-            grad, inner, sq, q, ctx.numbers[0], a, ctx.numbers[1], mag, epilogue, groups, eps, not learned_q)
+        inner, sq, q, a, mag, r = ctx.saved_tensors
+        h, epilogue, groups, eps = ctx.settings
+        learned_q, learned_r = q is not None and ctx.needs_input_grad[2], r is not None and ctx.needs_input_grad[5]
+        grad_inner, grad_m, grad_a, grad_mag, grad_r = patch_epilogue_backward(
+            grad, inner, sq, q, ctx.numbers[0], a, ctx.numbers[1], mag, *h[:3], r, h[3], epilogue, groups, eps,
+            not learned_q, learned_r)
         grad_q = grad_m.sum().to(q.dtype) if learned_q else None
         grad_a = grad_a.to(a.dtype) if a is not None and ctx.needs_input_grad[3] else None
         grad_mag = grad_mag.to(ctx.mag_dtype) if mag is not None and ctx.needs_input_grad[4] else None
@@ -139,34 +159,54 @@ class _FusedEpilogue(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             grad_sq = grad_m if not learned_q else grad_m.mul_(0.5).div_(sq.clamp_min(eps * eps).sqrt_()).mul_(
                 sq >= eps * eps)
-        return grad_inner, grad_sq, grad_q, grad_a, grad_mag, None, None, None
+        return grad_inner, grad_sq, grad_q, grad_a, grad_mag, grad_r.to(r.dtype) if learned_r else None, None, None, \
+            None, None
+
+
+def _magnitude_arguments(h: Magnitude | None, q, device) -> tuple[Tensor | None, tuple]:
+    """(r, h) of :class:`_FusedEpilogue` for a :class:`~sphereml.layers.magnitudes.Magnitude` or None."""
+    if h is None:
+        return None, (0, 0.0, 0.0, None)
+    if q is not None:
+        raise ValueError("the kernels' magnitude h(n) needs q=None (the decoupled operators have no q)")
+    radius = h.radius
+    if isinstance(radius, Tensor):
+        if radius.numel() != 1:
+            raise ValueError(f"the kernels take h's radius as a number or a one-value tensor, got shape "
+                             f"{tuple(radius.shape)}")
+        return radius.reshape(()).to(device), (h.code, float(h.alpha), float(h.beta), None)
+    return None, (h.code, float(h.alpha), float(h.beta), float(radius))
 
 
 def fused_epilogue(inner: Tensor, sq: Tensor, q: Tensor | float | None, epilogue: str, param, groups: int,
-                   eps: float, magnitude: Tensor | None = None) -> Tensor:
+                   eps: float, magnitude: Tensor | Magnitude | None = None) -> Tensor:
     """The epilogue of a patch layer on its inner products ``inner`` (Tensor[B, C_out, H', W']).
 
     Args:
         sq (Tensor[B, G, H', W']): the squared patch norms
             (:func:`~sphereml.layers.patch_norms.squared_patch_norms`); the norm is
-            sqrt(max(sq, eps^2)), and sq gets its gradient.
+            n = sqrt(max(sq, eps^2)), and sq gets its gradient.
         q (float or 0-d Tensor, optional): added to the patch norm.
         epilogue (str): one of :data:`EPILOGUES`.
         param: p for ``"sharpen"``, k for ``"sigmoid"`` (a number or a Tensor of 1 or C_out values), else unused.
         groups (int), eps (float): the layer's groups and norm floor.
-        magnitude (Tensor[B, G, H', W'], optional): a factor per position and group (the decoupled operators'
-            h(||x||)); it gets its gradient.
+        magnitude (optional): the decoupled operators' h(||x||), as a factor per position and group
+            (Tensor[B, G, H', W'], which gets its gradient), or as a
+            :class:`~sphereml.layers.magnitudes.Magnitude` that the kernels evaluate at n (with q None; a tensor
+            radius gets its gradient).
     """
-    if magnitude is not None and magnitude.shape != sq.shape:
+    if isinstance(magnitude, Tensor) and magnitude.shape != sq.shape:
         raise ValueError(f"magnitude must have the patch norms' shape {tuple(sq.shape)} (one factor per group and "
                          f"position), got {tuple(magnitude.shape)}")
+    r, h = _magnitude_arguments(magnitude if isinstance(magnitude, Magnitude) else None, q, inner.device)
+    mag = magnitude if isinstance(magnitude, Tensor) else None
     if epilogue not in ("sharpen", "sigmoid"):
         param = None
     elif isinstance(param, Tensor):
         param = param.to(inner.device).reshape(-1).expand(inner.shape[1]).contiguous()  # one value per channel
     if isinstance(q, Tensor):
         q = q.to(inner.device)
-    return _FusedEpilogue.apply(inner, sq, q, param, magnitude, EPILOGUES.index(epilogue), groups, eps)
+    return _FusedEpilogue.apply(inner, sq, q, param, mag, r, h, EPILOGUES.index(epilogue), groups, eps)
 
 
 def per_channel(param, channels: int) -> bool:
