@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from sphereml.launches import count_ops
 from sphereml.layers import patch_norms
 from sphereml.layers.decoupled import decoupled_conv2d
-from sphereml.layers.patch_norms import channel_energy, patch_norm, squared_patch_norms
+from sphereml.layers.patch_norms import channel_energy, conv_and_squared_norms, patch_norm, squared_patch_norms
 from sphereml.layers.patches import patch_cosine2d
 
 F64 = torch.float64
@@ -281,3 +281,80 @@ def test_autocast_is_switched_off_only_where_it_is_on():
         with patch_norms._autocast_off(cpu):
             assert not torch.is_autocast_enabled("cpu")
         assert torch.is_autocast_enabled("cpu")
+
+
+def _conv_and_norms_loss(x, w, groups, node: bool):
+    """A loss of both outputs, through the node (the GPU's form) or through the two computed apart."""
+    if node:
+        inner, sq = conv_and_squared_norms(x, w, (1, 1), (1, 1), (1, 1), groups)
+    else:
+        inner, sq = F.conv2d(x, w, None, 1, 1, 1, groups), squared_patch_norms(x, *WINDOW, groups)
+    target = torch.linspace(-1.0, 1.0, inner.numel(), dtype=torch.float64).reshape(inner.shape).to(inner.dtype)
+    return (inner * target).sum() + sq.sqrt().sum()
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
+@pytest.mark.parametrize("groups", [1, 2])
+def test_convolution_and_norms_in_one_node_give_the_two_apart(monkeypatch, groups, layout):
+    """Note [convolution and norms in one node]: values and the gradients of x and w as when the convolution and
+    the squared norms are computed apart (float32), and float64 gradcheck of both outputs."""
+    monkeypatch.setattr(patch_norms, "on_accelerator", lambda device: True)
+    g = torch.Generator().manual_seed(31)
+    x, w = torch.randn(2, 4, 6, 6, generator=g), torch.randn(6, 4 // groups, 3, 3, generator=g)
+    if layout == "channels_last":
+        x = x.contiguous(memory_format=torch.channels_last)
+    results = []
+    for node in (True, False):
+        xx, ww = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+        loss = _conv_and_norms_loss(xx, ww, groups, node)
+        results.append([loss.detach(), *torch.autograd.grad(loss, (xx, ww))])
+    for got, want in zip(*results):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    xx = x.clone().requires_grad_(True)
+    assert count_ops(lambda: _conv_and_norms_loss(xx, w, groups, True).backward()).by_op["aten::addcmul_"] == 1
+    xx, ww = x.double().requires_grad_(True), w.double().requires_grad_(True)
+    assert torch.autograd.gradcheck(lambda a, b: conv_and_squared_norms(a, b, (1, 1), (1, 1), (1, 1), groups),
+                                    (xx, ww))
+
+
+@pytest.mark.parametrize("needs", ["x", "w"])
+def test_convolution_and_norms_with_one_input_needing_a_gradient(monkeypatch, needs):
+    """Where x needs no gradient (a network's first layer) the two stay apart; where w needs none the node gives
+    x's alone."""
+    monkeypatch.setattr(patch_norms, "on_accelerator", lambda device: True)
+    g = torch.Generator().manual_seed(32)
+    x, w = torch.randn(2, 3, 5, 5, generator=g), torch.randn(4, 3, 3, 3, generator=g)
+    leaf = (x if needs == "x" else w).requires_grad_(True)
+    grads = [torch.autograd.grad(_conv_and_norms_loss(x, w, 1, node), leaf)[0] for node in (True, False)]
+    torch.testing.assert_close(grads[0], grads[1], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_convolution_and_norms_of_half_inputs(monkeypatch, dtype):
+    """Half x: the squared norms in float32, dL/dx added into the convolution's half gradient in float32 and
+    rounded once."""
+    monkeypatch.setattr(patch_norms, "on_accelerator", lambda device: True)
+    g = torch.Generator().manual_seed(33)
+    x, w = torch.randn(2, 4, 5, 5, generator=g), torch.randn(3, 4, 3, 3, generator=g)
+    results = []
+    for node in (True, False):
+        xx, ww = x.to(dtype).requires_grad_(True), w.to(dtype).requires_grad_(True)
+        inner, sq = conv_and_squared_norms(xx, ww, (1, 1), (1, 1), (1, 1), 1) if node else (
+            F.conv2d(xx, ww, None, 1, 1), squared_patch_norms(xx, *WINDOW, 1))
+        assert sq.dtype == torch.float32 and inner.dtype == dtype
+        grad_x = torch.autograd.grad(inner.float().sum() + sq.sum(), xx)[0]
+        assert grad_x.dtype == dtype
+        results.append(grad_x.float())
+    torch.testing.assert_close(results[0], results[1], rtol=2e-2, atol=2e-2)
+
+
+def test_convolution_and_norms_compile_as_one_graph(monkeypatch):
+    monkeypatch.setattr(patch_norms, "on_accelerator", lambda device: True)
+    torch.compiler.reset()
+    g = torch.Generator().manual_seed(34)
+    x, w = torch.randn(2, 4, 6, 6, generator=g).requires_grad_(True), torch.randn(5, 4, 3, 3, generator=g)
+
+    def loss(inputs):
+        return _conv_and_norms_loss(inputs, w, 1, True)
+    compiled = torch.compile(loss, fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(torch.autograd.grad(compiled(x), x)[0], torch.autograd.grad(loss(x), x)[0])

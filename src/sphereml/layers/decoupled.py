@@ -56,9 +56,9 @@ Note [fused decoupled norms]
     themselves (:class:`~sphereml.layers.magnitudes.Magnitude`), radius included when it is one value, learned or
     not (a radius per channel, or a tensor alpha or beta, keeps h on autograd).  The scaled norms of Note [patch
     norm without overflow] would cost two more passes over x; s in float32 bounds n by 1.8e19, as it bounds
-    SphereConv's cosines on either path.  Counted on the CPU with the GPU's forms (``tests/test_unit_kernels.py``):
-    16 operations forward + backward, as SphereConv (42 with the scaled norms and autograd through h), and 5 passes
-    over x-sized tensors (7).
+    SphereConv's cosines on either path.  Counted on the CPU with the GPU's forms (``tests/test_unit_kernels.py``,
+    with Note [convolution and norms in one node]): 14 operations forward + backward, as SphereConv (42 with the
+    scaled norms and autograd through h), and 4 passes over x-sized tensors (7).
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ from ..geometry import safe_norm
 from .magnitudes import (BOUNDED_MAGNITUDES, MAGNITUDES, RADIUS_MAGNITUDES, Magnitude, check_magnitude,
                          default_beta, magnitude_function, magnitude_over_norm)
 from .patch_epilogue import fused_epilogue, per_channel, resolve_backend
-from .patch_norms import squared_patch_norms
+from .patch_norms import conv_and_squared_norms
 from .patches import conv_arguments, explicit_padding, pair, patch_norm2d, patchwise_reference
 from .unit_kernels import fusable, unit_kernels
 from .sphereconv import Positive
@@ -115,10 +115,10 @@ def _conv_parts(x: Tensor, weight: Tensor, stride, padding, dilation, groups: in
     unit = fused and weighted is None and fusable(weight)  # Note [unit kernels in one pass]
     w_norm = None if unit else weight.flatten(1).norm(dim=1).clamp_min(eps)
     w_hat = unit_kernels(weight, eps, True) if unit else weight / w_norm.view(-1, 1, 1, 1)
-    inner = F.conv2d(x, w_hat, None, stride, padding, dilation, groups)
     if not (fused and weighted is None):
+        inner = F.conv2d(x, w_hat, None, stride, padding, dilation, groups)
         return inner, patch_norm2d(x, kernel_size, stride, padding, dilation, groups, eps), w_norm, False
-    sq = squared_patch_norms(x, kernel_size, stride, padding, dilation, groups)  # Note [fused decoupled norms]
+    inner, sq = conv_and_squared_norms(x, w_hat, stride, padding, dilation, groups)  # Note [fused decoupled norms]
 
     def norm():  # asked for only where the kernels do not take h, or for E{||x||}; in x's dtype, as patch_norm2d's
         return sq.clamp_min(eps * eps).sqrt().to(x.dtype)

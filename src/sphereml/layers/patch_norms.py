@@ -24,6 +24,15 @@ Note [one pass over the input]
     with the GPU's forms (``tests/test_patch_norms.py``, ``tests/test_patch_epilogue.py``), forward + backward
     touch input-sized tensors 5 times for a SphereConv or SCS layer (7 before, the fused epilogue's path 8), 7
     times for a decoupled operator (12 before) and twice for ``nn.Conv2d``.
+
+Note [convolution and norms in one node]
+    x reaches a patch layer's output along two paths, the convolution and the patch norms, and autograd adds their
+    input gradients: the norms' product 2 x dL/de writes an x-sized tensor and the sum reads two and writes one.
+    :func:`conv_and_squared_norms` makes the convolution and the squared norms one node whose backward adds
+    2 x dL/de into the convolution's input gradient in place (``addcmul_``): one pass over x-sized tensors where
+    there were two, and two operations fewer.  The fused paths (:mod:`~sphereml.layers.patch_epilogue`) use it on
+    a GPU; under autocast, which would run the convolution in half precision on copies the node does not save, and
+    on the CPU (the chapters' numbers) the two stay apart.
 """
 
 from __future__ import annotations
@@ -38,7 +47,8 @@ from torch.autograd import forward_ad
 from .._autograd import Function
 from ..launches import on_accelerator  # the GPU forms; tests make it say True
 
-__all__ = ["channel_energy", "times_channels", "box_sum", "box_sum_transpose", "squared_patch_norms", "patch_norm"]
+__all__ = ["channel_energy", "times_channels", "box_sum", "box_sum_transpose", "squared_patch_norms",
+           "conv_and_squared_norms", "patch_norm"]
 
 _HALF = (torch.float16, torch.bfloat16)
 
@@ -135,6 +145,57 @@ def squared_patch_norms(x: Tensor, kernel_size, stride, padding, dilation, group
     """s = the box sum of :func:`channel_energy`: every patch's squared norm, Tensor[B, G, H', W'] (float32 for
     half x; x^2 overflows float16 above 256), differentiable."""
     return box_sum(channel_energy(x, groups), kernel_size, stride, padding, dilation, groups)
+
+
+class _ConvAndSquaredNorms(Function):
+    """(u = conv(x, w), s = :func:`squared_patch_norms`) in one node (Note [convolution and norms in one node])."""
+
+    @staticmethod
+    def forward(x: Tensor, weight: Tensor, stride, padding, dilation, groups: int) -> tuple[Tensor, ...]:
+        """(u, s, and for the backward the energy e and the box sum's kernel of ones: never differentiated)."""
+        energy = _energy(x, groups)
+        ones = energy.new_ones(groups, 1, *weight.shape[2:])
+        inner = F.conv2d(x, weight, None, stride, padding, dilation, groups)
+        return inner, F.conv2d(energy, ones, None, stride, padding, dilation, groups), energy, ones
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, weight, *conv = inputs
+        ctx.mark_non_differentiable(*output[2:])
+        ctx.save_for_backward(x, weight, *output[2:])
+        ctx.conv = tuple(conv)
+        ctx.set_materialize_grads(False)
+
+    @staticmethod
+    def backward(ctx, grad_inner: Tensor | None, grad_sq: Tensor | None, *_):
+        x, weight, energy, ones = ctx.saved_tensors
+        stride, padding, dilation, groups = ctx.conv
+        need_x, need_w = ctx.needs_input_grad[:2]
+        grad_x = grad_w = None
+        if grad_inner is not None and (need_x or need_w):
+            grad_x, grad_w, _ = torch.ops.aten.convolution_backward(
+                grad_inner, x, weight, None, stride, padding, dilation, False, (0, 0), groups, (need_x, need_w, False))
+        if grad_sq is not None and need_x:  # dL/de: the box sum's adjoint (:func:`box_sum_transpose`)
+            per_position = torch.ops.aten.convolution_backward(
+                grad_sq, energy, ones, None, stride, padding, dilation, False, (0, 0), groups, (True, False, False))[0]
+            if grad_x is None:
+                grad_x = times_channels(x, per_position * 2.0, groups)
+            else:  # dL/dx += 2 x dL/de, in place: a view of each group's channels (a split channel axis is a view)
+                b, c, h, w = x.shape
+                grad_x.view(b, groups, c // groups, h, w).addcmul_(_grouped(x, groups), per_position.unsqueeze(2),
+                                                                   value=2.0)
+        return grad_x, grad_w, None, None, None, None
+
+
+def conv_and_squared_norms(x: Tensor, weight: Tensor, stride, padding, dilation, groups: int) -> tuple[Tensor, Tensor]:
+    """(conv2d(x, weight) Tensor[B, C_out, H', W'], the squared patch norms Tensor[B, G, H', W']) with one pass over x
+    in the backward for both (Note [convolution and norms in one node]); tuples for the window's sizes, integer
+    padding.  Off the CPU, without autocast and where x needs a gradient, one node; else the two apart."""
+    if _plain(x) or not on_accelerator(x.device) or torch.is_autocast_enabled(x.device.type):
+        kernel_size = tuple(weight.shape[2:])
+        return (F.conv2d(x, weight, None, stride, padding, dilation, groups),
+                squared_patch_norms(x, kernel_size, stride, padding, dilation, groups))
+    return _ConvAndSquaredNorms.apply(x, weight, stride, padding, dilation, groups)[:2]
 
 
 def _norms(x: Tensor, window, groups: int, eps: float) -> tuple[Tensor, Tensor, Tensor]:

@@ -57,7 +57,7 @@ from .._autograd import Function
 from .._checks import integer, real_number
 from ..angular import DECOUPLED_ANGULAR, angular_activation, check_angular, check_k
 from .patch_epilogue import fused_epilogue, per_channel, resolve_backend
-from .patch_norms import box_sum_transpose, patch_norm, squared_patch_norms, times_channels
+from .patch_norms import box_sum_transpose, conv_and_squared_norms, patch_norm, squared_patch_norms, times_channels
 from .unit_kernels import unit_kernels
 
 __all__ = ["pair", "check_padding", "conv_arguments", "explicit_padding", "output_size", "patch_cosine2d",
@@ -331,10 +331,10 @@ def patch_cosine2d(x: Tensor, weight: Tensor, stride=1, padding=0, dilation=1, g
                              f"got shape {tuple(param.shape)}")
         fused = False
     w_hat = unit_kernels(weight, eps, fused)  # Note [unit kernels in one pass]
-    inner = F.conv2d(x, w_hat, None, stride, padding, dilation, groups)  # (B, C_out, H', W')
-    if fused:
-        sq = squared_patch_norms(x, kernel_size, stride, padding, dilation, groups)
+    if fused:  # Note [convolution and norms in one node]
+        inner, sq = conv_and_squared_norms(x, w_hat, stride, padding, dilation, groups)
         return fused_epilogue(inner, sq, q, epilogue, param, groups, eps)
+    inner = F.conv2d(x, w_hat, None, stride, padding, dilation, groups)  # (B, C_out, H', W')
     cos = _DivideByPatchNorm.apply(inner, x, q, kernel_size, stride, padding, dilation, groups, eps)[0]
     if power is not None:
         return sharpen(cos, power)
