@@ -241,6 +241,8 @@ def test_meta_tensors_give_shapes():
     x, w = torch.empty(2, 4, 8, 8, device="meta"), torch.empty(6, 4, 3, 3, device="meta")
     assert decoupled_conv2d(x, w, padding=1).shape == (2, 6, 8, 8)
     assert patch_norm(x.requires_grad_(True), *WINDOW, 2, 1e-6).shape == (2, 2, 8, 8)
+    inner, sq = conv_and_squared_norms(x, w, 1, 1, 1, 1)  # meta is not the CPU: the node, with no autocast to ask
+    assert inner.shape == (2, 6, 8, 8) and sq.shape == (2, 1, 8, 8)
 
 
 @pytest.mark.parametrize("padding", [0, "valid", "same"])
@@ -317,10 +319,63 @@ def test_convolution_and_norms_in_one_node_give_the_two_apart(monkeypatch, group
                                     (xx, ww))
 
 
+GEOMETRIES = [((2, 2), (1, 1), (1, 1), (3, 3), 1), ((2, 1), (1, 0), (1, 2), (3, 2), 2), (1, 2, 2, (3, 3), 4),
+              ((3, 1), (0, 2), (2, 1), (2, 3), 1)]  # stride, padding, dilation, kernel, groups
+
+
+@pytest.mark.parametrize("outputs", ["both", "inner", "sq"])
+@pytest.mark.parametrize("stride,padding,dilation,kernel,groups", GEOMETRIES)
+def test_convolution_and_norms_in_any_geometry(monkeypatch, stride, padding, dilation, kernel, groups, outputs):
+    """Strides, asymmetric paddings, dilations, non-square kernels and groups (numbers or pairs), with a loss of
+    both outputs or of one (the other's incoming gradient None): float64 gradients as the two computed apart, and
+    gradgradcheck."""
+    monkeypatch.setattr(patch_norms, "on_accelerator", lambda device: True)
+    g = torch.Generator().manual_seed(35)
+    x = torch.randn(2, 4, 7, 6, generator=g, dtype=F64)
+    w = torch.randn(4, 4 // groups, *kernel, generator=g, dtype=F64)
+
+    def loss(node, a, b):
+        if node:
+            inner, sq = conv_and_squared_norms(a, b, stride, padding, dilation, groups)
+        else:
+            inner = F.conv2d(a, b, None, stride, padding, dilation, groups)
+            sq = squared_patch_norms(a, kernel, *(patch_norms_pair(v) for v in (stride, padding, dilation)), groups)
+        return {"both": inner.sin().sum() + sq.sqrt().sum(), "inner": inner.sin().sum(), "sq": sq.sqrt().sum()}[outputs]
+    results = []
+    for node in (True, False):
+        xx, ww = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+        results.append(torch.autograd.grad(loss(node, xx, ww), (xx, ww), allow_unused=True))
+    for got, want in zip(*results):
+        assert (got is None) == (want is None) or float(want.abs().max()) == 0.0
+        if want is not None and got is not None:
+            torch.testing.assert_close(got, want)
+    xx, ww = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+    assert torch.autograd.gradgradcheck(lambda a, b: loss(True, a, b), (xx, ww))
+
+
+def patch_norms_pair(value):
+    return (value, value) if isinstance(value, int) else value
+
+
+def test_convolution_and_norms_map_over_samples(monkeypatch):
+    """Per-sample gradients by torch.func (vmap of grad) as a loop over the samples."""
+    monkeypatch.setattr(patch_norms, "on_accelerator", lambda device: True)
+    g = torch.Generator().manual_seed(36)
+    x, w = torch.randn(3, 2, 5, 5, generator=g), torch.randn(3, 2, 3, 3, generator=g)
+
+    def loss(sample, weight):
+        inner, sq = conv_and_squared_norms(sample[None], weight, 1, 1, 1, 1)
+        return inner.square().sum() + sq.sqrt().sum()
+    with pytest.warns(UserWarning, match="batching rule for aten::addcmul_"):  # a performance warning
+        mapped = torch.func.vmap(torch.func.grad(loss), in_dims=(0, None))(x, w)
+    for i in range(3):
+        torch.testing.assert_close(mapped[i], torch.func.grad(loss)(x[i], w))
+
+
 @pytest.mark.parametrize("needs", ["x", "w"])
 def test_convolution_and_norms_with_one_input_needing_a_gradient(monkeypatch, needs):
     """Where x needs no gradient (a network's first layer) the two stay apart; where w needs none the node gives
-    x's alone."""
+    x's alone (the fallback's choice and the node's output mask)."""
     monkeypatch.setattr(patch_norms, "on_accelerator", lambda device: True)
     g = torch.Generator().manual_seed(32)
     x, w = torch.randn(2, 3, 5, 5, generator=g), torch.randn(4, 3, 3, 3, generator=g)

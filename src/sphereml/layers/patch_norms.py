@@ -150,6 +150,8 @@ def squared_patch_norms(x: Tensor, kernel_size, stride, padding, dilation, group
 class _ConvAndSquaredNorms(Function):
     """(u = conv(x, w), s = :func:`squared_patch_norms`) in one node (Note [convolution and norms in one node])."""
 
+    generate_vmap_rule = True  # torch.func's per-sample gradients
+
     @staticmethod
     def forward(x: Tensor, weight: Tensor, stride, padding, dilation, groups: int) -> tuple[Tensor, ...]:
         """(u, s, and for the backward the energy e and the box sum's kernel of ones: never differentiated)."""
@@ -189,9 +191,13 @@ class _ConvAndSquaredNorms(Function):
 
 def conv_and_squared_norms(x: Tensor, weight: Tensor, stride, padding, dilation, groups: int) -> tuple[Tensor, Tensor]:
     """(conv2d(x, weight) Tensor[B, C_out, H', W'], the squared patch norms Tensor[B, G, H', W']) with one pass over x
-    in the backward for both (Note [convolution and norms in one node]); tuples for the window's sizes, integer
-    padding.  Off the CPU, without autocast and where x needs a gradient, one node; else the two apart."""
-    if _plain(x) or not on_accelerator(x.device) or torch.is_autocast_enabled(x.device.type):
+    in the backward for both (Note [convolution and norms in one node]); stride, integer padding and dilation as
+    numbers or pairs.  One node off the CPU where x needs a gradient, outside forward mode and autocast; else the
+    two apart."""
+    stride, padding, dilation = ((v, v) if isinstance(v, int) else tuple(v) for v in (stride, padding, dilation))
+    device = x.device.type
+    autocast = torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device)
+    if _plain(x) or not on_accelerator(x.device) or autocast:
         kernel_size = tuple(weight.shape[2:])
         return (F.conv2d(x, weight, None, stride, padding, dilation, groups),
                 squared_patch_norms(x, kernel_size, stride, padding, dilation, groups))
