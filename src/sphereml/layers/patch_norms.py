@@ -53,10 +53,15 @@ __all__ = ["channel_energy", "times_channels", "box_sum", "box_sum_transpose", "
 _HALF = (torch.float16, torch.bfloat16)
 
 
+def _autocast_on(device: torch.device) -> bool:
+    """Whether autocast is on for ``device`` (meta tensors have none)."""
+    return torch.amp.is_autocast_available(device.type) and torch.is_autocast_enabled(device.type)
+
+
 def _autocast_off(device: torch.device):
     """Autocast switched off on ``device`` where it is on: it would run the box sums of squares in half precision
     and copy x to float32 for a norm.  Nothing to enter otherwise (meta tensors have no autocast)."""
-    if torch.amp.is_autocast_available(device.type) and torch.is_autocast_enabled(device.type):
+    if _autocast_on(device):
         return torch.autocast(device.type, enabled=False)
     return nullcontext()
 
@@ -195,9 +200,7 @@ def conv_and_squared_norms(x: Tensor, weight: Tensor, stride, padding, dilation,
     numbers or pairs.  One node off the CPU where x needs a gradient, outside forward mode and autocast; else the
     two apart."""
     stride, padding, dilation = ((v, v) if isinstance(v, int) else tuple(v) for v in (stride, padding, dilation))
-    device = x.device.type
-    autocast = torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device)
-    if _plain(x) or not on_accelerator(x.device) or autocast:
+    if _plain(x) or not on_accelerator(x.device) or _autocast_on(x.device):
         kernel_size = tuple(weight.shape[2:])
         return (F.conv2d(x, weight, None, stride, padding, dilation, groups),
                 squared_patch_norms(x, kernel_size, stride, padding, dilation, groups))
