@@ -7,9 +7,10 @@ layers under ``torch.compile`` (which fuses the patch-norm division and g into t
 neighbours) and under bfloat16 autocast.  The layers take the reference nodes after the convolution (the
 default); on CUDA the "(fused epilogue)" rows time cosine and sigmoid through the fused Triton epilogue
 (:mod:`sphereml.layers.patch_epilogue`, ``backend="fused"``; since 2026-12-07 with the kernels normalised by the
-two kernels of :mod:`sphereml.layers.unit_kernels`, whose :func:`compile_check` is here).  Result files of
-2026-11-27 were measured when the layers took the fused epilogue on CUDA: there the plain rows are fused and
-"(reference epilogue)" rows the reference (their ``note`` says so).
+two kernels of :mod:`sphereml.layers.unit_kernels`, whose :func:`compile_check` is here, and the patch norms'
+box sums by the two kernels of :mod:`sphereml.layers.window_sums`, whose :func:`window_compile_check` is here).
+Result files of 2026-11-27 were measured when the layers took the fused epilogue on CUDA: there the plain rows are
+fused and "(reference epilogue)" rows the reference (their ``note`` says so).
 
 * CPU: B=32, 64 -> 64 channels, 32x32, 3x3 (goal: cosine at most 1.3x Conv2d).
 * CUDA: the same size plus B=128 128 ch 32x32 and B=64 256 ch 16x16 (goal: cosine at most 1.3x Conv2d
@@ -98,5 +99,31 @@ def compile_check(arch: int = 90) -> list[dict]:
                    **compile_kernel(kernel, types, {"BR": br, "BD": bd}, warps, 2, arch)}
             rows.append(row)
             print(f"compile sm_{arch} unit kernels {name:8s} {dtype}: registers {row['registers']}, "
+                  f"spill stores {row['spill_store_bytes']} B", flush=True)
+    return rows
+
+
+def window_compile_check(arch: int = 90) -> list[dict]:
+    """Compile the patch norms' box-sum kernels (:mod:`sphereml.layers.window_sums`) for ``sm_<arch>`` on the CPU,
+    for 3 x 3 and 5 x 5 windows and float32, bf16 and fp16 inputs.  Prints registers and spills.  Must run without
+    TRITON_INTERPRET."""
+    from sphereml.layers import _window_kernels as kernels
+
+    from .sm90 import compile_kernel
+
+    bc, bp, warps = kernels.BLOCKS
+    geometry = {name: "i32" for name in ("H", "W", "HO", "WO", "SH", "SW", "PH", "PW", "DH", "DW")}
+    rows = []
+    for size in (3, 5):
+        forms = [("sums", "fp32", kernels.window_sums_kernel, {"NORMS": "*fp32", "SQ": "*fp32"}, {"BP": bp})]
+        forms += [("gradient", dtype, kernels.window_gradient_kernel,
+                   {"GRAD_SQ": "*fp32", "X": f"*{dtype}", "GRAD_X": f"*{dtype}", "CG": "i32"}, {"BC": bc, "BP": bp})
+                  for dtype in ("fp32", "bf16", "fp16")]
+        for name, dtype, kernel, types, blocks in forms:
+            row = {"kernel": f"window {name}", "dtype": dtype, "window": size,
+                   **compile_kernel(kernel, {**types, **geometry}, {"KH": size, "KW": size, **blocks}, warps, 2,
+                                    arch)}
+            rows.append(row)
+            print(f"compile sm_{arch} window {name:8s} {size}x{size} {dtype}: registers {row['registers']}, "
                   f"spill stores {row['spill_store_bytes']} B", flush=True)
     return rows

@@ -9,13 +9,20 @@ import torch
 import torch.nn.functional as F
 
 from sphereml.launches import count_ops
-from sphereml.layers import patch_norms
+from sphereml.layers import patch_norms, window_sums
 from sphereml.layers.decoupled import decoupled_conv2d
 from sphereml.layers.patch_norms import channel_energy, conv_and_squared_norms, patch_norm, squared_patch_norms
 from sphereml.layers.patches import patch_cosine2d
 
 F64 = torch.float64
 WINDOW = ((3, 3), (1, 1), (1, 1), (1, 1))  # kernel size, stride, padding, dilation
+
+
+@pytest.fixture(autouse=True)
+def box_sums_by_convolution(monkeypatch):
+    """The node's box sums as convolutions, its form where the Triton kernels do not take x (the kernels' form is
+    tested against this one in test_window_sums.py)."""
+    monkeypatch.setattr(window_sums, "takes", lambda x: False)
 
 
 @pytest.fixture(params=["cpu form", "gpu form"])

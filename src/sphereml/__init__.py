@@ -9,6 +9,7 @@ module:
 * :mod:`~sphereml.layers` — hyperspherical layers (thesis Ch. 3-4, the SCS paper):
   :mod:`~sphereml.layers.patches` (receptive-field norms and cosines by convolution),
   :mod:`~sphereml.layers.patch_norms` (those norms with one pass over the input each way),
+  :mod:`~sphereml.layers.window_sums` (their box sums, one Triton kernel each way on a GPU),
   :mod:`~sphereml.layers.unit_kernels` (the kernels on the unit sphere, one Triton kernel each way when fused),
   :mod:`~sphereml.layers.patch_epilogue` (the division and g(theta) in one kernel each way),
   :mod:`~sphereml.layers.sphereconv` (SphereConv2d, SphereLinear, SphereNorm),

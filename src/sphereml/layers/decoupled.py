@@ -57,8 +57,8 @@ Note [fused decoupled norms]
     not (a radius per channel, or a tensor alpha or beta, keeps h on autograd).  The scaled norms of Note [patch
     norm without overflow] would cost two more passes over x; s in float32 bounds n by 1.8e19, as it bounds
     SphereConv's cosines on either path.  Counted on the CPU with the GPU's forms (``tests/test_unit_kernels.py``,
-    with Note [convolution and norms in one node]): 14 operations forward + backward, as SphereConv (42 with the
-    scaled norms and autograd through h), and 4 passes over x-sized tensors (7).
+    with Notes [convolution and norms in one node] and [box sums in a kernel]): 11 operations forward + backward, as
+    SphereConv (42 with the scaled norms and autograd through h), and 4 passes over x-sized tensors (7).
 """
 
 from __future__ import annotations

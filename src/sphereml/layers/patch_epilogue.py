@@ -5,7 +5,8 @@ B x C_out x H' x W' inner products: divide each by its patch norm (+ q), clamp t
 layer's function of the cosine (an angular activation of :mod:`~sphereml.angular`, or the SCS sharpening).
 Here the squared patch norms come from one depthwise convolution
 (:func:`~sphereml.layers.patch_norms.squared_patch_norms`, Note [patch norm by convolution] in
-:mod:`~sphereml.layers.patches`), and then one Triton kernel reads the inner products once
+:mod:`~sphereml.layers.patches`; on a GPU from one Triton kernel, Note [box sums in a kernel] in
+:mod:`~sphereml.layers.window_sums`), and then one Triton kernel reads the inner products once
 and writes the output, and one backward kernel reads them and dL/dy once and writes dL/d(inner products),
 dL/d(squared norms) per position (dL/dm, m the divided norm, where a learned q needs it; autograd carries it on
 to x through :func:`~sphereml.layers.patch_norms.squared_patch_norms`) and

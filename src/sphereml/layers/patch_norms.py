@@ -32,7 +32,9 @@ Note [convolution and norms in one node]
     2 x dL/de into the convolution's input gradient in place (``addcmul_``): one pass over x-sized tensors where
     there were two, and two operations fewer.  The fused paths (:mod:`~sphereml.layers.patch_epilogue`) use it on
     a GPU; under autocast, which would run the convolution in half precision on copies the node does not save, and
-    on the CPU (the chapters' numbers) the two stay apart.
+    on the CPU (the chapters' numbers) the two stay apart.  Where Triton runs and x is float32 or half in NCHW, the
+    node's box sum is one kernel and its adjoint and that addition another (Note [box sums in a kernel] in
+    :mod:`~sphereml.layers.window_sums`): three operations fewer.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ from torch.autograd import forward_ad
 
 from .._autograd import Function
 from ..launches import on_accelerator  # the GPU forms; tests make it say True
+from . import window_sums
 
 __all__ = ["channel_energy", "times_channels", "box_sum", "box_sum_transpose", "squared_patch_norms",
            "conv_and_squared_norms", "patch_norm"]
@@ -71,14 +74,19 @@ def _grouped(x: Tensor, groups: int) -> Tensor:
     return x.reshape(b, groups, c // groups, h, w)
 
 
+def _channel_norms(x: Tensor, groups: int) -> Tensor:
+    """nu = the norm of each group's channels, Tensor[B, G, H, W], float32 for half inputs: one reduction."""
+    with _autocast_off(x.device):
+        accumulate = torch.float32 if x.dtype in _HALF else None
+        return torch.linalg.vector_norm(_grouped(x, groups), dim=2, dtype=accumulate)
+
+
 def _energy(x: Tensor, groups: int) -> Tensor:
     """e = sum over each group's channels of x^2, Tensor[B, G, H, W], float32 for half inputs: one reduction off
     the CPU (Note [one pass over the input]); on the CPU the squares, then their sum."""
     if not on_accelerator(x.device):
         return _grouped(x.float() if x.dtype in _HALF else x, groups).square().sum(2)
-    with _autocast_off(x.device):
-        accumulate = torch.float32 if x.dtype in _HALF else None
-        return torch.linalg.vector_norm(_grouped(x, groups), dim=2, dtype=accumulate).square()
+    return _channel_norms(x, groups).square()
 
 
 def _largest_magnitude(x: Tensor) -> Tensor:
@@ -159,10 +167,14 @@ class _ConvAndSquaredNorms(Function):
 
     @staticmethod
     def forward(x: Tensor, weight: Tensor, stride, padding, dilation, groups: int) -> tuple[Tensor, ...]:
-        """(u, s, and for the backward the energy e and the box sum's kernel of ones: never differentiated)."""
+        """(u, s, and for the backward the energy e and the box sum's kernel of ones, never differentiated); (u, s)
+        alone where the kernels of Note [box sums in a kernel] take x."""
+        inner = F.conv2d(x, weight, None, stride, padding, dilation, groups)
+        if window_sums.takes(x):
+            return inner, window_sums.squared_norms_by_window(_channel_norms(x, groups), weight.shape[2:], stride,
+                                                              padding, dilation)
         energy = _energy(x, groups)
         ones = energy.new_ones(groups, 1, *weight.shape[2:])
-        inner = F.conv2d(x, weight, None, stride, padding, dilation, groups)
         return inner, F.conv2d(energy, ones, None, stride, padding, dilation, groups), energy, ones
 
     @staticmethod
@@ -175,23 +187,39 @@ class _ConvAndSquaredNorms(Function):
 
     @staticmethod
     def backward(ctx, grad_inner: Tensor | None, grad_sq: Tensor | None, *_):
-        x, weight, energy, ones = ctx.saved_tensors
+        x, weight, *box = ctx.saved_tensors
         stride, padding, dilation, groups = ctx.conv
         need_x, need_w = ctx.needs_input_grad[:2]
         grad_x = grad_w = None
         if grad_inner is not None and (need_x or need_w):
             grad_x, grad_w, _ = torch.ops.aten.convolution_backward(
                 grad_inner, x, weight, None, stride, padding, dilation, False, (0, 0), groups, (need_x, need_w, False))
-        if grad_sq is not None and need_x:  # dL/de: the box sum's adjoint (:func:`box_sum_transpose`)
+        if grad_sq is None or not need_x:
+            return grad_x, grad_w, None, None, None, None
+        differentiated = torch.is_grad_enabled()  # create_graph=True: the kernel has no derivative
+        if not (box or differentiated or window_sums.transformed(x, grad_sq, grad_x)):  # Note [box sums in a kernel]
+            grad_x = torch.zeros_like(x) if grad_x is None else grad_x.contiguous()  # a copy only for a weight in
+            # another layout than x's, which the convolution's gradient may follow
+            window_sums.add_window_gradient_(grad_x, x, grad_sq, weight.shape[2:], stride, padding, dilation)
+            return grad_x, grad_w, None, None, None, None
+        b, _, h, w = x.shape
+        if box:  # dL/de: the box sum's adjoint, with the forward's energy and kernel of ones
             per_position = torch.ops.aten.convolution_backward(
-                grad_sq, energy, ones, None, stride, padding, dilation, False, (0, 0), groups, (True, False, False))[0]
-            if grad_x is None:
-                grad_x = times_channels(x, per_position * 2.0, groups)
-            else:  # dL/dx += 2 x dL/de, in place: a view of each group's channels (a split channel axis is a view)
-                b, c, h, w = x.shape
-                grad_x.view(b, groups, c // groups, h, w).addcmul_(_grouped(x, groups), per_position.unsqueeze(2),
-                                                                   value=2.0)
+                grad_sq, *box, None, stride, padding, dilation, False, (0, 0), groups, (True, False, False))[0]
+        else:  # the forward took the kernels; this backward is differentiated, or under a torch.func transform
+            per_position = box_sum_transpose(grad_sq, (b, groups, h, w), weight.shape[2:], stride, padding, dilation,
+                                             groups)
+        if grad_x is None:
+            grad_x = times_channels(x, per_position * 2.0, groups)
+        else:  # dL/dx += 2 x dL/de, in place: a view of each group's channels (a split channel axis is a view)
+            grad_x.view(b, groups, -1, h, w).addcmul_(_grouped(x, groups), per_position.unsqueeze(2), value=2.0)
         return grad_x, grad_w, None, None, None, None
+
+
+def _pair(value) -> tuple[int, int]:
+    """A number, or a sequence of one or two, as a pair (as ``F.conv2d`` takes them)."""
+    value = (value,) if isinstance(value, int) else tuple(value)
+    return value * 2 if len(value) == 1 else value
 
 
 def conv_and_squared_norms(x: Tensor, weight: Tensor, stride, padding, dilation, groups: int) -> tuple[Tensor, Tensor]:
@@ -199,7 +227,7 @@ def conv_and_squared_norms(x: Tensor, weight: Tensor, stride, padding, dilation,
     in the backward for both (Note [convolution and norms in one node]); stride, integer padding and dilation as
     numbers or pairs.  One node off the CPU where x needs a gradient, outside forward mode and autocast; else the
     two apart."""
-    stride, padding, dilation = ((v, v) if isinstance(v, int) else tuple(v) for v in (stride, padding, dilation))
+    stride, padding, dilation = (_pair(v) for v in (stride, padding, dilation))
     if _plain(x) or not on_accelerator(x.device) or _autocast_on(x.device):
         kernel_size = tuple(weight.shape[2:])
         return (F.conv2d(x, weight, None, stride, padding, dilation, groups),
