@@ -35,9 +35,11 @@ GEOMETRIES = [((3, 3), (1, 1), (1, 1), (1, 1), 1, (6, 6)), ((3, 3), (2, 2), (1, 
 
 @pytest.fixture(autouse=True)
 def as_on_a_gpu(monkeypatch):
-    """The node in its GPU form; on CUDA the reference convolutions in full float32 (no TF32)."""
+    """The node in its GPU form; on CUDA the reference convolutions in full float32 (no TF32), and deterministic (the
+    autocast tests compare two bf16 weight gradients)."""
     monkeypatch.setattr(patch_norms, "on_accelerator", lambda device: True)
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    monkeypatch.setattr(torch.backends.cudnn, "deterministic", True)
 
 
 def _inputs(geometry, channels=12, dtype=torch.float32, seed=0):
@@ -128,6 +130,64 @@ def test_fused_layers_with_the_kernels_give_the_reference_layers(monkeypatch):
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5, msg=name)
 
 
+def _autocast_step(node, x, weight, geometry, create_graph=False):
+    """(u, s, dL/dx, dL/dw) under bf16 autocast by the node or the two apart (autocast's convolution, then the
+    norms); with ``create_graph`` also d(||dL/dx||^2)/dw."""
+    kernel, stride, padding, dilation, groups, _ = geometry
+    with torch.autocast(DEVICE, dtype=torch.bfloat16):
+        inner, sq = conv_and_squared_norms(x, weight, stride, padding, dilation, groups) if node else (
+            F.conv2d(x, weight, None, stride, padding, dilation, groups),
+            patch_norms.squared_patch_norms(x, kernel, stride, padding, dilation, groups))
+    target = torch.linspace(-1.0, 1.0, inner.numel(), device=DEVICE).reshape(inner.shape)
+    grads = torch.autograd.grad((inner.float() * target).sum() + sq.sqrt().sum(), (x, weight),
+                                create_graph=create_graph)
+    if create_graph:
+        grads = (*grads, torch.autograd.grad(grads[0].float().square().sum(), weight)[0])
+    return inner, sq, *grads
+
+
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kernels", [True, False])
+def test_under_autocast_the_node_convolves_autocasts_copies(monkeypatch, kernels, x_dtype):
+    """bf16 autocast, float32 w and float32 x or (a former layer's output) bf16 x: the node's u is autocast's bf16
+    convolution to the bit, s stays float32, and the gradients of x and w, in their dtypes, are those of the two
+    apart to rounding; with the kernels or the convolutions for the box sums, in one node (five operations fewer
+    with the kernels for float32 x: the box sum's square, kernel of ones and convolution, its adjoint and the sum of
+    two dL/dx become the two kernels)."""
+    if not kernels:
+        monkeypatch.setattr(window_sums, "takes", lambda t: False)
+    x, weight = _inputs(GEOMETRIES[1], seed=10)
+    x = x.to(x_dtype)
+    results, counts = [], []
+    for node in (True, False):
+        xx, ww = x.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+        results.append(_autocast_step(node, xx, ww, GEOMETRIES[1]))
+        counts.append(count_ops(lambda n=node, a=xx, b=ww: _autocast_step(n, a, b, GEOMETRIES[1])).total)
+    (inner, sq, grad_x, grad_w), want = results
+    assert inner.dtype == torch.bfloat16 and sq.dtype == grad_w.dtype == torch.float32 and grad_x.dtype == x_dtype
+    torch.testing.assert_close(inner, want[0], rtol=0, atol=0)
+    torch.testing.assert_close(sq, want[1], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(grad_w, want[3], rtol=1e-5, atol=1e-5)
+    # bf16 dL/dx: the apart path rounds the norms' share, then the sum, to bf16, the node the sum once: two roundings
+    ulp = torch.finfo(x_dtype).eps * float(want[2].float().abs().max())
+    torch.testing.assert_close(grad_x.float(), want[2].float(), rtol=0, atol=2 * ulp if x_dtype == torch.bfloat16
+                               else 1e-5)
+    fewer = (5 if kernels else 2) + (x_dtype == torch.bfloat16)  # apart, bf16 x's share takes a cast of its factor
+    assert counts[1] - counts[0] == fewer, counts
+
+
+def test_under_autocast_a_double_backward_sees_the_casts():
+    """create_graph=True under autocast: the backward casts x and w again, so that second derivatives (here of
+    ||dL/dx||^2 in w, which flows through the convolution's input gradient) are the two apart's."""
+    x, weight = _inputs(GEOMETRIES[1], seed=12)
+    results = []
+    for node in (True, False):
+        xx, ww = x.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+        results.append(_autocast_step(node, xx, ww, GEOMETRIES[1], create_graph=True))
+    for got, want in zip(*results):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_half_inputs_sum_in_float32_and_round_once(dtype):
     geometry = GEOMETRIES[1]
@@ -212,15 +272,13 @@ def test_operators_pass_opcheck():
     torch.library.opcheck(torch.ops.sphereml.add_window_gradient_.default, (torch.randn_like(x), x, grad_sq, *geometry))
 
 
-def test_the_node_compiles_as_one_graph_with_both_kernels():
-    """``fullgraph=True``; the forward graph holds the sums' operator and the backward the gradient's (in place,
-    so functionalised), and the gradient is eager's."""
+def _compiled_graphs(loss, inputs) -> dict:
+    """The aten operations (and functionalised operators) of the forward and backward graphs that
+    ``torch.compile(loss, fullgraph=True)`` makes, after checking its gradients against eager's."""
     from torch._dynamo.backends.common import aot_autograd
     from torch._functorch.aot_autograd import make_boxed_func
 
     torch.compiler.reset()
-    x, weight = _inputs(GEOMETRIES[2], seed=6)
-    x.requires_grad_(True)
     graphs = {}
 
     def recorder(kind):
@@ -229,13 +287,25 @@ def test_the_node_compiles_as_one_graph_with_both_kernels():
                             for n in graph.graph.nodes if n.op == "call_function"}
             return make_boxed_func(graph.forward)
         return record
-
-    def loss(inputs):
-        inner, sq = conv_and_squared_norms(inputs, weight, (2, 1), (1, 0), (1, 2), 2)
-        return inner.square().sum() + sq.sqrt().sum()
     compiled = torch.compile(loss, fullgraph=True, backend=aot_autograd(fw_compiler=recorder("forward"),
                                                                         bw_compiler=recorder("backward")))
-    torch.testing.assert_close(torch.autograd.grad(compiled(x), x)[0], torch.autograd.grad(loss(x), x)[0])
+    for got, want in zip(torch.autograd.grad(compiled(*inputs), inputs), torch.autograd.grad(loss(*inputs), inputs)):
+        torch.testing.assert_close(got, want)
+    return graphs
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_the_node_compiles_as_one_graph_with_both_kernels(autocast):
+    """``fullgraph=True``, with and without bf16 autocast: the forward graph holds the sums' operator and the
+    backward the gradient's (in place, so functionalised), and the gradients are eager's."""
+    x, weight = _inputs(GEOMETRIES[2], seed=6)
+    inputs = (x.requires_grad_(True), weight.requires_grad_(True))
+
+    def loss(a, b):
+        with torch.autocast(DEVICE, dtype=torch.bfloat16, enabled=autocast):
+            inner, sq = conv_and_squared_norms(a, b, (2, 1), (1, 0), (1, 2), 2)
+        return inner.float().square().sum() + sq.sqrt().sum()
+    graphs = _compiled_graphs(loss, inputs)
     assert "sphereml.window_sums.default" in graphs["forward"], graphs["forward"]
     assert "sphereml.add_window_gradient_.default" in graphs["backward"], graphs["backward"]
 

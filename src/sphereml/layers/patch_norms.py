@@ -31,10 +31,12 @@ Note [convolution and norms in one node]
     :func:`conv_and_squared_norms` makes the convolution and the squared norms one node whose backward adds
     2 x dL/de into the convolution's input gradient in place (``addcmul_``): one pass over x-sized tensors where
     there were two, and two operations fewer.  The fused paths (:mod:`~sphereml.layers.patch_epilogue`) use it on
-    a GPU; under autocast, which would run the convolution in half precision on copies the node does not save, and
-    on the CPU (the chapters' numbers) the two stay apart.  Where Triton runs and x is float32 or half in NCHW, the
-    node's box sum is one kernel and its adjoint and that addition another (Note [box sums in a kernel] in
-    :mod:`~sphereml.layers.window_sums`): three operations fewer.
+    a GPU; on the CPU (the chapters' numbers) the two stay apart.  Under autocast the node does what autocast does
+    to a convolution of float32 or half x and w: it casts each that is not in autocast's dtype to it, convolves
+    and keeps the copies for the backward, whose gradients it casts back (the norms stay float32, as apart; a
+    backward that is itself differentiated casts again, so that autograd sees the casts); float64 stays apart.
+    Where Triton runs and x is float32 or half in NCHW, the node's box sum is one kernel and its adjoint and that
+    addition another (Note [box sums in a kernel] in :mod:`~sphereml.layers.window_sums`): three operations fewer.
 """
 
 from __future__ import annotations
@@ -167,19 +169,19 @@ class _ConvAndSquaredNorms(Function):
 
     @staticmethod
     def forward(x: Tensor, weight: Tensor, stride, padding, dilation, groups: int) -> tuple[Tensor, ...]:
-        """(u, s, and for the backward the energy e and the box sum's kernel of ones, never differentiated); (u, s)
-        alone where the kernels of Note [box sums in a kernel] take x."""
-        inner = F.conv2d(x, weight, None, stride, padding, dilation, groups)
-        if window_sums.takes(x):
-            return inner, window_sums.squared_norms_by_window(_channel_norms(x, groups), weight.shape[2:], stride,
-                                                              padding, dilation)
-        energy = _energy(x, groups)
-        ones = energy.new_ones(groups, 1, *weight.shape[2:])
-        return inner, F.conv2d(energy, ones, None, stride, padding, dilation, groups), energy, ones
+        """(u, s, and for the backward, never differentiated: the energy e and the box sum's kernel of ones unless
+        the kernels of Note [box sums in a kernel] take x, then autocast's copies of x and w, where it casts them)."""
+        low = _autocast_casts(x, weight)
+        conv = [t if dtype is None else t.to(dtype) for t, dtype in zip((x, weight), low)]
+        with _autocast_off(x.device):
+            inner = F.conv2d(*conv, None, stride, padding, dilation, groups)
+        copies = [t for t, dtype in zip(conv, low) if dtype is not None]
+        return inner, *_squared_norms(x, weight.shape[2:], stride, padding, dilation, groups), *copies
 
     @staticmethod
     def setup_context(ctx, inputs, output):
         x, weight, *conv = inputs
+        ctx.casts = _autocast_casts(x, weight)
         ctx.mark_non_differentiable(*output[2:])
         ctx.save_for_backward(x, weight, *output[2:])
         ctx.conv = tuple(conv)
@@ -187,33 +189,65 @@ class _ConvAndSquaredNorms(Function):
 
     @staticmethod
     def backward(ctx, grad_inner: Tensor | None, grad_sq: Tensor | None, *_):
-        x, weight, *box = ctx.saved_tensors
+        x, weight, *rest = ctx.saved_tensors
+        count = sum(dtype is not None for dtype in ctx.casts)
+        box, copies = rest[:len(rest) - count], iter(rest[len(rest) - count:])
+        differentiated = torch.is_grad_enabled()  # create_graph=True: autograd must see the casts
+        conv_x, conv_w = (t if dtype is None else (t.to(dtype) if differentiated else next(copies))
+                          for t, dtype in zip((x, weight), ctx.casts))
         stride, padding, dilation, groups = ctx.conv
         need_x, need_w = ctx.needs_input_grad[:2]
         grad_x = grad_w = None
         if grad_inner is not None and (need_x or need_w):
             grad_x, grad_w, _ = torch.ops.aten.convolution_backward(
-                grad_inner, x, weight, None, stride, padding, dilation, False, (0, 0), groups, (need_x, need_w, False))
-        if grad_sq is None or not need_x:
-            return grad_x, grad_w, None, None, None, None
-        differentiated = torch.is_grad_enabled()  # create_graph=True: the kernel has no derivative
-        if not (box or differentiated or window_sums.transformed(x, grad_sq, grad_x)):  # Note [box sums in a kernel]
-            grad_x = torch.zeros_like(x) if grad_x is None else grad_x.contiguous()  # a copy only for a weight in
-            # another layout than x's, which the convolution's gradient may follow
-            window_sums.add_window_gradient_(grad_x, x, grad_sq, weight.shape[2:], stride, padding, dilation)
-            return grad_x, grad_w, None, None, None, None
-        b, _, h, w = x.shape
-        if box:  # dL/de: the box sum's adjoint, with the forward's energy and kernel of ones
-            per_position = torch.ops.aten.convolution_backward(
-                grad_sq, *box, None, stride, padding, dilation, False, (0, 0), groups, (True, False, False))[0]
-        else:  # the forward took the kernels; this backward is differentiated, or under a torch.func transform
-            per_position = box_sum_transpose(grad_sq, (b, groups, h, w), weight.shape[2:], stride, padding, dilation,
-                                             groups)
-        if grad_x is None:
-            grad_x = times_channels(x, per_position * 2.0, groups)
-        else:  # dL/dx += 2 x dL/de, in place: a view of each group's channels (a split channel axis is a view)
-            grad_x.view(b, groups, -1, h, w).addcmul_(_grouped(x, groups), per_position.unsqueeze(2), value=2.0)
-        return grad_x, grad_w, None, None, None, None
+                grad_inner, conv_x, conv_w, None, stride, padding, dilation, False, (0, 0), groups,
+                (need_x, need_w, False))
+            grad_x, grad_w = (g if g is None else g.to(t.dtype) for g, t in ((grad_x, x), (grad_w, weight)))
+        return _add_norms_gradient(ctx, x, weight, box, grad_x, grad_sq), grad_w, None, None, None, None
+
+
+def _autocast_casts(x: Tensor, weight: Tensor) -> tuple[torch.dtype | None, torch.dtype | None]:
+    """The dtype autocast would cast x and w to for their convolution, or None for each it leaves alone."""
+    if not _autocast_on(x.device):
+        return None, None
+    low = torch.get_autocast_dtype(x.device.type)
+    return tuple(None if t.dtype == low else low for t in (x, weight))
+
+
+def _squared_norms(x: Tensor, kernel_size, stride, padding, dilation, groups: int) -> tuple[Tensor, ...]:
+    """(s, and for the backward the energy e and the box sum's kernel of ones unless the kernels take x)."""
+    if window_sums.takes(x):
+        return (window_sums.squared_norms_by_window(_channel_norms(x, groups), kernel_size, stride, padding, dilation),)
+    energy = _energy(x, groups)
+    ones = energy.new_ones(groups, 1, *kernel_size)
+    with _autocast_off(x.device):
+        return F.conv2d(energy, ones, None, stride, padding, dilation, groups), energy, ones
+
+
+def _add_norms_gradient(ctx, x: Tensor, weight: Tensor, box, grad_x: Tensor | None, grad_sq: Tensor | None):
+    """dL/dx with the norms' share 2 x dL/de added, dL/de the box sum's adjoint of dL/ds (in place where there is
+    a dL/dx)."""
+    stride, padding, dilation, groups = ctx.conv
+    if grad_sq is None or not ctx.needs_input_grad[0]:
+        return grad_x
+    differentiated = torch.is_grad_enabled()  # create_graph=True: the kernel has no derivative
+    if not (box or differentiated or window_sums.transformed(x, grad_sq, grad_x)):  # Note [box sums in a kernel]
+        grad_x = torch.zeros_like(x) if grad_x is None else grad_x.contiguous()  # a copy only for a weight in
+        # another layout than x's, which the convolution's gradient may follow
+        window_sums.add_window_gradient_(grad_x, x, grad_sq, weight.shape[2:], stride, padding, dilation)
+        return grad_x
+    b, _, h, w = x.shape
+    if box:  # dL/de: the box sum's adjoint, with the forward's energy and kernel of ones
+        per_position = torch.ops.aten.convolution_backward(
+            grad_sq, *box, None, stride, padding, dilation, False, (0, 0), groups, (True, False, False))[0]
+    else:  # the forward took the kernels; this backward is differentiated, or under a torch.func transform
+        per_position = box_sum_transpose(grad_sq, (b, groups, h, w), weight.shape[2:], stride, padding, dilation,
+                                         groups)
+    if grad_x is None:
+        return times_channels(x, per_position * 2.0, groups)
+    # dL/dx += 2 x dL/de, in place: a view of each group's channels (a split channel axis is a view)
+    grad_x.view(b, groups, -1, h, w).addcmul_(_grouped(x, groups), per_position.unsqueeze(2), value=2.0)
+    return grad_x
 
 
 def _pair(value) -> tuple[int, int]:
@@ -225,10 +259,11 @@ def _pair(value) -> tuple[int, int]:
 def conv_and_squared_norms(x: Tensor, weight: Tensor, stride, padding, dilation, groups: int) -> tuple[Tensor, Tensor]:
     """(conv2d(x, weight) Tensor[B, C_out, H', W'], the squared patch norms Tensor[B, G, H', W']) with one pass over x
     in the backward for both (Note [convolution and norms in one node]); stride, integer padding and dilation as
-    numbers or pairs.  One node off the CPU where x needs a gradient, outside forward mode and autocast; else the
-    two apart."""
+    numbers or pairs.  One node off the CPU where x needs a gradient, outside forward mode (under autocast, for
+    float32 or half x and w); else the two apart."""
     stride, padding, dilation = (_pair(v) for v in (stride, padding, dilation))
-    if _plain(x) or not on_accelerator(x.device) or _autocast_on(x.device):
+    autocast_float64 = _autocast_on(x.device) and torch.float64 in (x.dtype, weight.dtype)  # which it leaves alone
+    if _plain(x) or not on_accelerator(x.device) or autocast_float64:
         kernel_size = tuple(weight.shape[2:])
         return (F.conv2d(x, weight, None, stride, padding, dilation, groups),
                 squared_patch_norms(x, kernel_size, stride, padding, dilation, groups))
