@@ -19,13 +19,22 @@ from __future__ import annotations
 import inspect
 
 import torch
+from torch._C._functorch import is_functorch_wrapped_tensor
 
 try:  # private, as the standard apply's own use of it; a PyTorch without it takes the standard path
     from torch._functorch.utils import unwrap_dead_wrappers
 except ImportError:  # pragma: no cover - PyTorch 2.1 to 2.13 have it
     unwrap_dead_wrappers = None
 
-__all__ = ["Function"]
+__all__ = ["Function", "transformed"]
+
+
+def transformed(*tensors: torch.Tensor | None) -> bool:
+    """Whether any of ``tensors`` is wrapped by a ``torch.func`` transform (vmap, grad), for which the library's
+    custom operators and some in-place operations have no rules (False while TorchDynamo traces): a node's forward
+    may see plain tensors where its backward sees wrapped ones."""
+    return not torch.compiler.is_compiling() and any(
+        t is not None and is_functorch_wrapped_tensor(t) for t in tensors)
 
 
 def _arity(cls: type) -> int:

@@ -41,9 +41,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch._C._functorch import is_functorch_wrapped_tensor
 
-from .._autograd import Function
+from .._autograd import Function, transformed
 from .._custom_ops import custom_op
 from ..energy.triton_backend import choose_backend, launchable, usable_on
 from ..geometry import safe_norm
@@ -55,7 +54,7 @@ __all__ = ["WeightNormalizedLinear", "weight_normalized_linear", "margin_cross_e
 def under_vmap(t: Tensor) -> bool:
     """Whether ``t`` is wrapped by a torch.func transform (several seeds' heads, :mod:`sphereml.multiseed`): the
     fused operators and some in-place operations have no batching rules, so such heads take other forms."""
-    return not torch.compiler.is_compiling() and is_functorch_wrapped_tensor(t)
+    return transformed(t)
 
 
 class WeightNormalizedLinear(Function):

@@ -48,7 +48,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd import forward_ad
 
-from .._autograd import Function
+from .._autograd import Function, transformed
 from ..launches import on_accelerator  # the GPU forms; tests make it say True
 from . import window_sums
 
@@ -171,11 +171,11 @@ class _ConvAndSquaredNorms(Function):
     def forward(x: Tensor, weight: Tensor, stride, padding, dilation, groups: int) -> tuple[Tensor, ...]:
         """(u, s, and for the backward, never differentiated: the energy e and the box sum's kernel of ones unless
         the kernels of Note [box sums in a kernel] take x, then autocast's copies of x and w, where it casts them)."""
-        low = _autocast_casts(x, weight)
-        conv = [t if dtype is None else t.to(dtype) for t, dtype in zip((x, weight), low)]
+        casts = _autocast_casts(x, weight)
+        conv = [t if dtype is None else t.to(dtype) for t, dtype in zip((x, weight), casts)]
         with _autocast_off(x.device):
             inner = F.conv2d(*conv, None, stride, padding, dilation, groups)
-        copies = [t for t, dtype in zip(conv, low) if dtype is not None]
+        copies = [t for t, dtype in zip(conv, casts) if dtype is not None]
         return inner, *_squared_norms(x, weight.shape[2:], stride, padding, dilation, groups), *copies
 
     @staticmethod
@@ -231,7 +231,7 @@ def _add_norms_gradient(ctx, x: Tensor, weight: Tensor, box, grad_x: Tensor | No
     if grad_sq is None or not ctx.needs_input_grad[0]:
         return grad_x
     differentiated = torch.is_grad_enabled()  # create_graph=True: the kernel has no derivative
-    if not (box or differentiated or window_sums.transformed(x, grad_sq, grad_x)):  # Note [box sums in a kernel]
+    if not (box or differentiated or transformed(x, grad_sq, grad_x)):  # Note [box sums in a kernel]
         grad_x = torch.zeros_like(x) if grad_x is None else grad_x.contiguous()  # a copy only for a weight in
         # another layout than x's, which the convolution's gradient may follow
         window_sums.add_window_gradient_(grad_x, x, grad_sq, weight.shape[2:], stride, padding, dilation)

@@ -25,21 +25,14 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
-from torch._C._functorch import is_functorch_wrapped_tensor
 
+from .._autograd import transformed
 from .._custom_ops import custom_op
 from ..energy.triton_backend import usable_on
 
-__all__ = ["transformed", "takes", "squared_norms_by_window", "add_window_gradient_"]
+__all__ = ["takes", "squared_norms_by_window", "add_window_gradient_"]
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
-
-def transformed(*tensors: Tensor | None) -> bool:
-    """Whether any of ``tensors`` is wrapped by a ``torch.func`` transform (vmap, grad), for which the operators
-    have no rules: an autograd node's forward may see plain tensors where its backward sees wrapped ones."""
-    return not torch.compiler.is_compiling() and any(
-        t is not None and is_functorch_wrapped_tensor(t) for t in tensors)
 
 
 def takes(x: Tensor) -> bool:
