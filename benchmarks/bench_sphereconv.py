@@ -8,7 +8,8 @@ neighbours) and under bfloat16 autocast.  The layers take the reference nodes af
 default); on CUDA the "(fused epilogue)" rows time cosine and sigmoid through the fused Triton epilogue
 (:mod:`sphereml.layers.patch_epilogue`, ``backend="fused"``; since 2026-12-07 with the kernels normalised by the
 two kernels of :mod:`sphereml.layers.unit_kernels`, whose :func:`compile_check` is here, and the patch norms'
-box sums by the two kernels of :mod:`sphereml.layers.window_sums`, whose :func:`window_compile_check` is here).
+box sums by the two kernels of :mod:`sphereml.layers.window_sums`, whose :func:`window_compile_check` is here),
+and the "(channels-last)" rows time ``nn.Conv2d`` and the fused cosine layer on channels-last tensors.
 Result files of 2026-11-27 were measured when the layers took the fused epilogue on CUDA: there the plain rows are
 fused and "(reference epilogue)" rows the reference (their ``note`` says so).
 
@@ -18,6 +19,8 @@ fused and "(reference epilogue)" rows the reference (their ``note`` says so).
 """
 
 from __future__ import annotations
+
+import copy
 
 import torch
 
@@ -58,7 +61,20 @@ def _candidates(size, device: torch.device, dtype: torch.dtype | None) -> dict:
                 inp, conv.weight, padding=1, angular=a, k=0.3, backend="fused")
     if dtype is None:
         operators["unfold cosine (port style)"] = lambda inp: sphere_conv2d_reference(inp, conv.weight, padding=1)
-    return forward_backward(operators, x, target, dtype)
+    candidates = forward_backward(operators, x, target, dtype)
+    return {**candidates, **_channels_last(conv, x, target, dtype)} if device.type == "cuda" else candidates
+
+
+def _channels_last(conv: torch.nn.Conv2d, x: torch.Tensor, target: torch.Tensor, dtype: torch.dtype | None) -> dict:
+    """``nn.Conv2d`` and the fused cosine layer with x, its kernels and the target in channels-last (Note [layouts
+    in the kernels] in :mod:`sphereml.layers._layouts`), to be timed against the NCHW baseline."""
+    last = torch.channels_last
+    conv = copy.deepcopy(conv).to(memory_format=last)
+    operators = {"nn.Conv2d (channels-last)": conv,
+                 "SphereConv2d cosine (fused epilogue, channels-last)": lambda inp: patch_cosine2d(
+                     inp, conv.weight, padding=1, backend="fused")}
+    x = x.detach().contiguous(memory_format=last).requires_grad_(True)
+    return forward_backward(operators, x, target.contiguous(memory_format=last), dtype)
 
 
 def run(device: torch.device) -> dict:
@@ -105,25 +121,29 @@ def compile_check(arch: int = 90) -> list[dict]:
 
 def window_compile_check(arch: int = 90) -> list[dict]:
     """Compile the patch norms' box-sum kernels (:mod:`sphereml.layers.window_sums`) for ``sm_<arch>`` on the CPU,
-    for 3 x 3 and 5 x 5 windows and float32, bf16 and fp16 inputs.  Prints registers and spills.  Must run without
-    TRITON_INTERPRET."""
+    for 3 x 3 and 5 x 5 windows and float32, bf16 and fp16 inputs, the gradient's in NCHW and channels-last (its
+    blocks and unit strides).  Prints registers and spills.  Must run without TRITON_INTERPRET."""
     from sphereml.layers import _window_kernels as kernels
 
     from .sm90 import compile_kernel
 
     bc, bp, warps = kernels.BLOCKS
+    last_bc, last_bp, _ = kernels.CHANNELS_LAST_BLOCKS
     geometry = {name: "i32" for name in ("H", "W", "HO", "WO", "SH", "SW", "PH", "PW", "DH", "DW")}
+    strides = {name: "i32" for name in ("G", "XB", "XC", "XP", "GB", "GC", "GP")}
+    layouts = {"gradient": {"BC": bc, "BP": bp, "XP": 1, "GP": 1},
+               "gradient, channels-last": {"BC": last_bc, "BP": last_bp, "XC": 1, "GC": 1}}
     rows = []
     for size in (3, 5):
         forms = [("sums", "fp32", kernels.window_sums_kernel, {"NORMS": "*fp32", "SQ": "*fp32"}, {"BP": bp})]
-        forms += [("gradient", dtype, kernels.window_gradient_kernel,
-                   {"GRAD_SQ": "*fp32", "X": f"*{dtype}", "GRAD_X": f"*{dtype}", "CG": "i32"}, {"BC": bc, "BP": bp})
-                  for dtype in ("fp32", "bf16", "fp16")]
+        forms += [(name, dtype, kernels.window_gradient_kernel,
+                   {"GRAD_SQ": "*fp32", "X": f"*{dtype}", "GRAD_X": f"*{dtype}", "CG": "i32", **strides}, constants)
+                  for name, constants in layouts.items() for dtype in ("fp32", "bf16", "fp16")]
         for name, dtype, kernel, types, blocks in forms:
             row = {"kernel": f"window {name}", "dtype": dtype, "window": size,
                    **compile_kernel(kernel, {**types, **geometry}, {"KH": size, "KW": size, **blocks}, warps, 2,
                                     arch)}
             rows.append(row)
-            print(f"compile sm_{arch} window {name:8s} {size}x{size} {dtype}: registers {row['registers']}, "
+            print(f"compile sm_{arch} window {name:23s} {size}x{size} {dtype}: registers {row['registers']}, "
                   f"spill stores {row['spill_store_bytes']} B", flush=True)
     return rows

@@ -217,9 +217,10 @@ def test_the_kernels_take_only_what_they_can():
     x = torch.randn(2, 4, 5, 5, device=DEVICE)
     assert window_sums.takes(x) and window_sums.takes(x.half())
     assert not window_sums.takes(x.double())
-    assert not window_sums.takes(x.contiguous(memory_format=torch.channels_last))
+    assert window_sums.takes(x.contiguous(memory_format=torch.channels_last))  # Note [layouts in the kernels]
+    assert not window_sums.takes(x.transpose(2, 3)) and not window_sums.takes(x[:, :, ::2])
     assert not torch.func.vmap(lambda t: torch.tensor(window_sums.takes(t)))(x).any()
-    with pytest.raises(ValueError, match="contiguous x and dL/dx of one shape"):
+    with pytest.raises(ValueError, match="each contiguous in NCHW or channels-last"):
         add_window_gradient_(x.transpose(2, 3), x, x[:, :1], (3, 3), (1, 1), (1, 1), (1, 1))
     with pytest.raises(ValueError, match=r"dL/ds of shape \(2, 1, 5, 5\) for this window, got \(2, 1, 3, 3\)"):
         add_window_gradient_(torch.zeros_like(x), x, x[:, :1, :3, :3], (3, 3), (1, 1), (1, 1), (1, 1))
@@ -326,10 +327,10 @@ def test_a_double_backward_differentiates_the_convolutions(monkeypatch):
 
 
 def test_kernels_compile_for_sm90_without_spills():
-    """Both kernels at 3 x 3 and 5 x 5 windows, the gradient's for float32, bf16 and fp16 inputs, compiled for an
-    H100 here (in a subprocess: the kernels of this process are interpreted)."""
+    """Both kernels at 3 x 3 and 5 x 5 windows, the gradient's for float32, bf16 and fp16 inputs in NCHW and
+    channels-last, compiled for an H100 here (in a subprocess: the kernels of this process are interpreted)."""
     rows = sm90_compile_rows("bench_sphereconv", "window_compile_check")
-    assert len(rows) == 8
+    assert len(rows) == 14
     for row in rows:
         assert row["spill_store_bytes"] in (0, None), row
         assert row["registers"] is None or row["registers"] <= 128, row

@@ -1,9 +1,12 @@
 """The Triton kernels of the patch epilogue in :mod:`sphereml.layers.patches` (imported on first use).
 
-Layout: INNER (Tensor[B, C_out, P], P = H' W' positions, contiguous) holds w_hat . x for every kernel and
-patch; the C_out channels form G groups of CG; SQ (Tensor[B, G, P], float32) the squared patch norms of each
-group.  With m = sqrt(max(SQ, eps^2)) + q (q a number or a 0-d tensor) the cosine is
-c = clamp(INNER / m, -1, 1) and the epilogue y = f(c) is chosen by ``EPILOGUE`` (the numbers of ``EPILOGUES``):
+Layout: INNER (Tensor[B, C_out, P], P = H' W' positions) holds w_hat . x for every kernel and patch, at strides
+SB, SC, SP per sample, channel and position (NCHW or channels-last: Note [layouts in the kernels] in
+:mod:`sphereml.layers._layouts`), which OUT, GRAD_Y and GRAD_INNER share (with ``GRAD_BROADCAST`` GRAD_Y is one
+value for all, the gradient of a ``.sum()``).  The C_out channels form G groups of CG; SQ (Tensor[B, G, P],
+float32, contiguous) the squared patch norms of each group.  With m = sqrt(max(SQ, eps^2)) + q (q a number or a 0-d
+tensor) the cosine is c = clamp(INNER / m, -1, 1) and the epilogue y = f(c) is chosen by ``EPILOGUE`` (the numbers
+of ``EPILOGUES``):
 
     0 cosine     y = c
     1 sharpen    y = sign(c) |c|^a            (SCS, the paper's Sec. 1; a = p)
@@ -168,14 +171,21 @@ def _epilogue(c, a, EPILOGUE: tl.constexpr):
 
 
 @triton.jit
+def _offsets(bg, G, CG, ch, pos, SB, SC, SP):
+    """The (channels, positions) tile's offsets in a Tensor[B, C_out, P] with strides SB, SC, SP (sample b = bg // G,
+    channel g CG + ch of group g = bg % G)."""
+    return (bg // G).to(tl.int64) * SB + ((bg % G) * CG + ch[:, None]) * SC + pos[None, :] * SP
+
+
+@triton.jit
 def _clamp(c):
     """clamp to [-1, 1], NaN kept (tl.minimum / tl.maximum drop it by default)."""
     return tl.minimum(tl.maximum(c, -1.0, propagate_nan=tl.PropagateNan.ALL), 1.0, propagate_nan=tl.PropagateNan.ALL)
 
 
 @triton.jit
-def forward_kernel(INNER, SQ, Q, A, MAG, R, OUT, q_value, a_value, r_value, alpha, beta, G, CG, P, eps2,
-                   Q_MODE: tl.constexpr, EPILOGUE: tl.constexpr, PARAM: tl.constexpr, HAS_MAG: tl.constexpr,
+def forward_kernel(INNER, SQ, Q, A, MAG, R, OUT, q_value, a_value, r_value, alpha, beta, G, CG, P, SB, SC, SP,
+                   eps2, Q_MODE: tl.constexpr, EPILOGUE: tl.constexpr, PARAM: tl.constexpr, HAS_MAG: tl.constexpr,
                    MAGNITUDE: tl.constexpr, R_MODE: tl.constexpr, BC: tl.constexpr, BP: tl.constexpr):
     """y = f(clamp(INNER / m, -1, 1)) on one (channels, positions) tile; a 1-D grid (no 65,535 limit)."""
     channel_blocks, position_blocks = tl.cdiv(CG, BC), tl.cdiv(P, BP)
@@ -185,7 +195,7 @@ def forward_kernel(INNER, SQ, Q, A, MAG, R, OUT, q_value, a_value, r_value, alph
     pos = pid % position_blocks * BP + tl.arange(0, BP)
     cmask, pmask = ch < CG, pos < P
     m, n, _ = _denominator(SQ, Q, q_value, bg, pos, pmask, P, eps2, Q_MODE)
-    offsets = (bg.to(tl.int64) * CG + ch[:, None]) * P + pos[None, :]
+    offsets = _offsets(bg, G, CG, ch, pos, SB, SC, SP)
     mask = cmask[:, None] & pmask[None, :]
     c = _clamp(tl.load(INNER + offsets, mask=mask, other=0.0).to(tl.float32) / m[None, :])
     a = _parameter(A, a_value, bg % G, ch, cmask, CG, PARAM)
@@ -200,9 +210,10 @@ def forward_kernel(INNER, SQ, Q, A, MAG, R, OUT, q_value, a_value, r_value, alph
 
 @triton.jit
 def backward_kernel(INNER, SQ, Q, A, MAG, R, GRAD_Y, GRAD_INNER, GRAD_M, GRAD_A, GRAD_MAG, GRAD_R, q_value, a_value,
-                    r_value, alpha, beta, G, CG, P, C_OUT, eps2, Q_MODE: tl.constexpr, EPILOGUE: tl.constexpr,
-                    PARAM: tl.constexpr, HAS_MAG: tl.constexpr, MAGNITUDE: tl.constexpr, R_MODE: tl.constexpr,
-                    R_GRAD: tl.constexpr, OF_SQ: tl.constexpr, BC: tl.constexpr, BP: tl.constexpr):
+                    r_value, alpha, beta, G, CG, P, C_OUT, SB, SC, SP, eps2, Q_MODE: tl.constexpr,
+                    EPILOGUE: tl.constexpr, PARAM: tl.constexpr, HAS_MAG: tl.constexpr, MAGNITUDE: tl.constexpr,
+                    R_MODE: tl.constexpr, R_GRAD: tl.constexpr, OF_SQ: tl.constexpr, GRAD_BROADCAST: tl.constexpr,
+                    BC: tl.constexpr, BP: tl.constexpr):
     """dL/dINNER on every channel of the group, dL/dm per position (dL/dSQ with ``OF_SQ``) and dL/da partial sums,
     for BP positions.
 
@@ -225,10 +236,13 @@ def backward_kernel(INNER, SQ, Q, A, MAG, R, GRAD_Y, GRAD_INNER, GRAD_M, GRAD_A,
     for c0 in range(0, CG, BC):
         ch = c0 + tl.arange(0, BC)
         cmask = ch < CG
-        offsets = (bg.to(tl.int64) * CG + ch[:, None]) * P + pos[None, :]
+        offsets = _offsets(bg, G, CG, ch, pos, SB, SC, SP)
         mask = cmask[:, None] & pmask[None, :]
         inner = tl.load(INNER + offsets, mask=mask, other=0.0).to(tl.float32)
-        grad = tl.load(GRAD_Y + offsets, mask=mask, other=0.0).to(tl.float32)
+        if GRAD_BROADCAST:
+            grad = tl.where(mask, tl.load(GRAD_Y).to(tl.float32), 0.0)
+        else:
+            grad = tl.load(GRAD_Y + offsets, mask=mask, other=0.0).to(tl.float32)
         if EPILOGUE != 0 or HAS_MAG or MAGNITUDE != 0:
             c = _clamp(inner / m[None, :])
             a = _parameter(A, a_value, g, ch, cmask, CG, PARAM)

@@ -2,7 +2,9 @@
 
 Layout: NORMS (Tensor[B G, H, W], float32, contiguous) holds nu, the norm of each group's channels of x at every
 position; SQ and GRAD_SQ (Tensor[B G, H', W'], float32) the squared patch norms s and their gradient; X and GRAD_X
-(Tensor[B, C, H, W] = Tensor[B G, CG, H, W], contiguous, float32 or half) the input and its gradient.  Output
+(Tensor[B, C, H, W], float32 or half) the input and its gradient, each at its own strides per sample, channel and
+position (XB, XC, XP and GB, GC, GP: NCHW or channels-last, Note [layouts in the kernels] in
+:mod:`sphereml.layers._layouts`); channel g CG + c of sample b belongs to group g (b g = b G + g).  Output
 position (i, j) covers the inputs (i s_h - p_h + a d_h, j s_w - p_w + b d_w) for a < KH, b < KW that lie inside
 the image (zero padding).
 
@@ -19,11 +21,15 @@ import triton.language as tl
 
 from ..energy.triton_backend import interpreting
 
-__all__ = ["BLOCKS", "window_sums_kernel", "window_gradient_kernel"]
+__all__ = ["BLOCKS", "CHANNELS_LAST_BLOCKS", "window_sums_kernel", "window_gradient_kernel"]
 
 # (channel block, position block, warps): small under the interpreter; on a GPU a position block of 256 with 4
 # warps (the sums kernel holds one float32 per position, the gradient kernel an 8 x 256 tile of x and of dL/dx).
+# In channels-last x, whose channels lie next to each other, the gradient kernel's tile is 8 x 128 (each position's
+# 8 channels one 32-byte sector in float32): compiled for sm_90a with the channels' unit stride, 8 x 256 took 90-95
+# registers, 8 x 128 44-56 (3 x 3 to 7 x 7 windows), and tiles of 16 or more channels 95-255, some with spills.
 BLOCKS = (4, 16, 4) if interpreting() else (8, 256, 4)
+CHANNELS_LAST_BLOCKS = (4, 16, 4) if interpreting() else (8, 128, 4)
 
 
 @triton.jit
@@ -54,8 +60,8 @@ def window_sums_kernel(NORMS, SQ, H, W, HO, WO, SH, SW, PH, PW, DH, DW, KH: tl.c
 
 
 @triton.jit
-def window_gradient_kernel(GRAD_SQ, X, GRAD_X, CG, H, W, HO, WO, SH, SW, PH, PW, DH, DW, KH: tl.constexpr,
-                           KW: tl.constexpr, BC: tl.constexpr, BP: tl.constexpr):
+def window_gradient_kernel(GRAD_SQ, X, GRAD_X, G, CG, H, W, HO, WO, SH, SW, PH, PW, DH, DW, XB, XC, XP, GB, GC, GP,
+                           KH: tl.constexpr, KW: tl.constexpr, BC: tl.constexpr, BP: tl.constexpr):
     """GRAD_X += 2 X t on one (channel block, position block) tile, t the box sum's adjoint of GRAD_SQ at each
     input position (see the module docstring); a 1-D grid over (b g, channel block, position block)."""
     channel_blocks, position_blocks = tl.cdiv(CG, BC), tl.cdiv(H * W, BP)
@@ -76,8 +82,9 @@ def window_gradient_kernel(GRAD_SQ, X, GRAD_X, CG, H, W, HO, WO, SH, SW, PH, PW,
             j = tl.maximum(col, 0) // SW
             covered = row_covered & (col >= 0) & (col == j * SW) & (j < WO)
             t += tl.load(base + i * WO + j, mask=covered, other=0.0)
-    offsets = (bg.to(tl.int64) * CG + ch[:, None]) * (H * W) + pos[None, :]
+    b, channel = (bg // G).to(tl.int64), (bg % G) * CG + ch[:, None]
+    grad_offsets = b * GB + channel * GC + pos[None, :] * GP
     mask = (ch < CG)[:, None] & pmask[None, :]
-    x = tl.load(X + offsets, mask=mask, other=0.0).to(tl.float32)
-    grad = tl.load(GRAD_X + offsets, mask=mask, other=0.0).to(tl.float32)
-    tl.store(GRAD_X + offsets, (grad + x * (2.0 * t)[None, :]).to(GRAD_X.dtype.element_ty), mask=mask)
+    x = tl.load(X + b * XB + channel * XC + pos[None, :] * XP, mask=mask, other=0.0).to(tl.float32)
+    grad = tl.load(GRAD_X + grad_offsets, mask=mask, other=0.0).to(tl.float32)
+    tl.store(GRAD_X + grad_offsets, (grad + x * (2.0 * t)[None, :]).to(GRAD_X.dtype.element_ty), mask=mask)

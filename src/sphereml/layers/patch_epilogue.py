@@ -12,9 +12,11 @@ dL/d(squared norms) per position (dL/dm, m the divided norm, where a learned q n
 to x through :func:`~sphereml.layers.patch_norms.squared_patch_norms`) and
 the partial sums of dL/d(parameter) (:mod:`sphereml.layers._patch_kernels`, with the formulas).  The kernels are the
 custom operators ``sphereml::patch_epilogue`` and ``sphereml::patch_epilogue_backward``, so ``torch.compile``
-traces the layer with ``fullgraph=True``.  They run on CUDA tensors, and on CPU tensors under
-``TRITON_INTERPRET=1`` (the tests); the reference nodes of :mod:`~sphereml.layers.patches` and
-:mod:`~sphereml.angular` are the oracle.
+traces the layer with ``fullgraph=True``.  They read the inner products in NCHW or channels-last where they lie and
+write y and dL/d(inner products) in the same layout (Note [layouts in the kernels] in
+:mod:`~sphereml.layers._layouts`), dL/dy too where it has that layout or is one value broadcast (a ``.sum()``'s).
+They run on CUDA tensors, and on CPU tensors under ``TRITON_INTERPRET=1`` (the tests); the reference nodes of
+:mod:`~sphereml.layers.patches` and :mod:`~sphereml.angular` are the oracle.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from torch import Tensor
 
 from .._custom_ops import custom_op
 from ..energy.triton_backend import choose_backend, usable_on
+from ._layouts import densified, position_strides, same_strides
 from .magnitudes import Magnitude
 
 __all__ = ["EPILOGUES", "resolve_backend", "fused_epilogue", "per_channel"]
@@ -57,6 +60,7 @@ def _launch(kind: str, inner: Tensor, sq: Tensor, q, q_value, a, a_value, mag, h
     from . import _patch_kernels as kernels
 
     (b, co, ho, wo), placeholder = inner.shape, sq.new_empty(1)
+    inner = densified(inner)  # NCHW or channels-last, read where it lies; OUT and dL/dINNER take its strides
     code, alpha, beta, r, r_value = h
     if code and (mag is not None or q is not None or q_value is not None):
         raise ValueError("the kernels evaluate h (MAGNITUDE) without a magnitude tensor and without q")
@@ -65,25 +69,27 @@ def _launch(kind: str, inner: Tensor, sq: Tensor, q, q_value, a, a_value, mag, h
     modes = {"Q_MODE": q_slot[2], "EPILOGUE": epilogue, "PARAM": a_slot[2], "HAS_MAG": mag is not None,
              "MAGNITUDE": code, "R_MODE": r_slot[2]}
     numbers = (q_slot[1], a_slot[1], r_slot[1], alpha, beta)
-    pointers = (inner.contiguous(), sq, q_slot[0], a_slot[0], placeholder if mag is None else mag.contiguous(),
-                r_slot[0])
+    pointers = (inner, sq, q_slot[0], a_slot[0], placeholder if mag is None else mag.contiguous(), r_slot[0])
     sizes = (groups, co // groups, ho * wo)
     if kind == "forward":
         bc, bp, warps = kernels.FORWARD_BLOCKS
-        out = torch.empty(inner.shape, dtype=inner.dtype, device=inner.device)
+        out = torch.empty_like(inner)
         grid = (b * groups * triton.cdiv(co // groups, bc) * triton.cdiv(ho * wo, bp),)
-        kernels.forward_kernel[grid](*pointers, out, *numbers, *sizes, eps * eps, **modes, BC=bc, BP=bp,
-                                     num_warps=warps)
+        kernels.forward_kernel[grid](*pointers, out, *numbers, *sizes, *position_strides(inner), eps * eps, **modes,
+                                     BC=bc, BP=bp, num_warps=warps)
         return out
     bc, bp, warps = kernels.BACKWARD_BLOCKS
     blocks = triton.cdiv(ho * wo, bp)
-    grad_inner, grad_m = torch.empty(inner.shape, dtype=inner.dtype, device=inner.device), torch.empty_like(sq)
+    grad_inner, grad_m = torch.empty_like(inner), torch.empty_like(sq)
+    broadcast = not any(grad.stride())  # one value for all: the gradient of a .sum()
+    if not (broadcast or same_strides(grad, inner)):  # dL/dy in another layout than y's: a copy in y's
+        grad = torch.empty_like(inner).copy_(grad)
     partial = torch.zeros(b * blocks if a is not None else 1, co, device=sq.device)
     grad_mag = torch.empty_like(sq) if mag is not None else placeholder
     grad_r = sq.new_empty(b * groups * blocks if r_grad else 1)
     kernels.backward_kernel[(b * groups * blocks,)](
-        *pointers, grad.contiguous(), grad_inner, grad_m, partial, grad_mag, grad_r, *numbers, *sizes, co,
-        eps * eps, **modes, R_GRAD=r_grad, OF_SQ=of_sq, BC=bc, BP=bp, num_warps=warps)
+        *pointers, grad, grad_inner, grad_m, partial, grad_mag, grad_r, *numbers, *sizes, co, *position_strides(inner),
+        eps * eps, **modes, R_GRAD=r_grad, OF_SQ=of_sq, GRAD_BROADCAST=broadcast, BC=bc, BP=bp, num_warps=warps)
     return (grad_inner, grad_m, partial.sum(0) if a is not None else partial.new_empty(0),
             grad_mag if mag is not None else sq.new_empty(0), grad_r.sum() if r_grad else sq.new_empty(0))
 
@@ -100,7 +106,7 @@ def patch_epilogue(inner: Tensor, sq: Tensor, q: Tensor | None, q_value: float |
 
 @patch_epilogue.register_fake
 def _(inner, sq, q, q_value, a, a_value, mag, h_code, h_alpha, h_beta, r, r_value, epilogue, groups, eps):
-    return inner.new_empty(inner.shape)
+    return torch.empty_like(densified(inner))
 
 
 @custom_op("sphereml::patch_epilogue_backward", mutates_args=())
@@ -119,8 +125,9 @@ def patch_epilogue_backward(grad: Tensor, inner: Tensor, sq: Tensor, q: Tensor |
 @patch_epilogue_backward.register_fake
 def _(grad, inner, sq, q, q_value, a, a_value, mag, h_code, h_alpha, h_beta, r, r_value, epilogue, groups, eps,
       of_sq, r_grad):
-    return (inner.new_empty(inner.shape), sq.new_empty(sq.shape), sq.new_empty(inner.shape[1] if a is not None else 0),
-            sq.new_empty(sq.shape if mag is not None else (0,)), sq.new_empty(() if r_grad else (0,)))
+    return (torch.empty_like(densified(inner)), sq.new_empty(sq.shape),
+            sq.new_empty(inner.shape[1] if a is not None else 0), sq.new_empty(sq.shape if mag is not None else (0,)),
+            sq.new_empty(() if r_grad else (0,)))
 
 
 def _split(value: Tensor | float | None) -> tuple[Tensor | None, float | None]:

@@ -35,8 +35,9 @@ Note [convolution and norms in one node]
     to a convolution of float32 or half x and w: it casts each that is not in autocast's dtype to it, convolves
     and keeps the copies for the backward, whose gradients it casts back (the norms stay float32, as apart; a
     backward that is itself differentiated casts again, so that autograd sees the casts); float64 stays apart.
-    Where Triton runs and x is float32 or half in NCHW, the node's box sum is one kernel and its adjoint and that
-    addition another (Note [box sums in a kernel] in :mod:`~sphereml.layers.window_sums`): three operations fewer.
+    Where Triton runs and x is float32 or half in NCHW or channels-last, the node's box sum is one kernel and its
+    adjoint and that addition another (Note [box sums in a kernel] in :mod:`~sphereml.layers.window_sums`): three
+    operations fewer.
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ from torch.autograd import forward_ad
 from .._autograd import Function, transformed
 from ..launches import on_accelerator  # the GPU forms; tests make it say True
 from . import window_sums
+from ._layouts import densified
 
 __all__ = ["channel_energy", "times_channels", "box_sum", "box_sum_transpose", "squared_patch_norms",
            "conv_and_squared_norms", "patch_norm"]
@@ -232,8 +234,7 @@ def _add_norms_gradient(ctx, x: Tensor, weight: Tensor, box, grad_x: Tensor | No
         return grad_x
     differentiated = torch.is_grad_enabled()  # create_graph=True: the kernel has no derivative
     if not (box or differentiated or transformed(x, grad_sq, grad_x)):  # Note [box sums in a kernel]
-        grad_x = torch.zeros_like(x) if grad_x is None else grad_x.contiguous()  # a copy only for a weight in
-        # another layout than x's, which the convolution's gradient may follow
+        grad_x = torch.zeros_like(x) if grad_x is None else densified(grad_x)  # NCHW or channels-last, either
         window_sums.add_window_gradient_(grad_x, x, grad_sq, weight.shape[2:], stride, padding, dilation)
         return grad_x
     b, _, h, w = x.shape

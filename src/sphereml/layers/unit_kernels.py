@@ -11,8 +11,10 @@ Note [unit kernels in one pass]
     overflows nor underflows for any float32 or half row, so the norm needs no scale.  For finite rows whose norm
     float32 holds, their results equal :class:`_UnitKernels`' to float32's rounding (the kernels multiply by 1 /
     max(||w||, eps) where the reference divides, and compare the float64 norm with eps; tested under
-    ``TRITON_INTERPRET=1``, which runs the same kernels on the CPU).  Elsewhere, and for float64 kernels,
-    :class:`_UnitKernels` runs: the CPU's numbers are those of the book's runs.
+    ``TRITON_INTERPRET=1``, which runs the same kernels on the CPU).  The kernels read each kernel's values as a row
+    in the order they lie in memory, so channels-last weights need no copy, and w_hat and dL/dw keep the weight's
+    layout.  Elsewhere, and for float64 kernels, :class:`_UnitKernels` runs: the CPU's numbers are those of the
+    book's runs.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from torch import Tensor
 from .._autograd import Function
 from .._custom_ops import custom_op
 from ..geometry import safe_norm
+from ._layouts import channels_last
 
 __all__ = ["unit_kernels", "fusable"]
 
@@ -107,20 +110,37 @@ def _(grad, unit, inv, active):
     return unit.new_empty(unit.shape)
 
 
+def _rows(t: Tensor, last: bool) -> Tensor:
+    """Each kernel of ``t`` (Tensor[C_out, ...]) as a row, its values in NCHW order or, where ``last``, in
+    channels-last order: a view where ``t`` lies in that layout (a kernel's norm and its tangent projection do not
+    depend on the order)."""
+    return (t.permute(0, 2, 3, 1) if last else t).flatten(1)
+
+
+def _kernels_of(rows: Tensor, shape: torch.Size, last: bool) -> Tensor:
+    """The inverse of :func:`_rows`: ``rows`` as kernels of ``shape``, channels-last where ``last`` (a view)."""
+    if last:
+        c_out, c_in, kh, kw = shape
+        return rows.view(c_out, kh, kw, c_in).permute(0, 3, 1, 2)
+    return rows.view(shape)
+
+
 class _FusedUnitKernels(torch.autograd.Function):
-    """w_hat by the two kernels above (Note [unit kernels in one pass])."""
+    """w_hat by the two kernels above (Note [unit kernels in one pass]), in the weight's layout."""
 
     @staticmethod
     def forward(ctx, weight, eps):
-        unit, inv, active = unit_kernels_forward(weight.flatten(1), eps)
+        ctx.layout = (weight.shape, channels_last(weight))  # the gradient's too
+        unit, inv, active = unit_kernels_forward(_rows(weight, ctx.layout[1]), eps)
         ctx.save_for_backward(unit, inv, active)
-        return unit.view_as(weight)
+        return _kernels_of(unit, *ctx.layout)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad):
         unit, inv, active = ctx.saved_tensors
-        return unit_kernels_backward(grad.reshape(unit.shape), unit, inv, active).view_as(grad), None
+        rows = _rows(grad, ctx.layout[1]).reshape(unit.shape)  # a copy where dL/dw_hat has the other layout
+        return _kernels_of(unit_kernels_backward(rows, unit, inv, active), *ctx.layout), None
 
 
 def fusable(weight: Tensor) -> bool:

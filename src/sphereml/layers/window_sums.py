@@ -12,10 +12,11 @@ Note [box sums in a kernel]
     forms the adjoint, dL/de at each input position as the sum of dL/ds over the windows that cover it, and adds
     2 x dL/de into the convolution's input gradient in the same kernel (:mod:`sphereml.layers._window_kernels`):
     one pass over x-sized tensors, as ``addcmul_`` made, and three operations fewer a step.  Both are custom
-    operators (``torch.compile(fullgraph=True)`` holds), for float32 and half x laid out contiguously (NCHW); they
-    run on CUDA tensors, and on CPU tensors under ``TRITON_INTERPRET=1`` (the tests, against the convolutions).
-    The sums are float32; the gradient's sum is formed in float32 and rounded once to x's dtype.  The node keeps the
-    convolutions for other inputs, under ``torch.func`` transforms (the operators have no batching rules), and in
+    operators (``torch.compile(fullgraph=True)`` holds), for float32 and half x laid out contiguously in NCHW or
+    channels-last (Note [layouts in the kernels] in :mod:`sphereml.layers._layouts`); they run on CUDA tensors, and
+    on CPU tensors under ``TRITON_INTERPRET=1`` (the tests, against the convolutions).  The sums are float32; the
+    gradient's sum is formed in float32 and rounded once to x's dtype.  The node keeps the convolutions for other
+    inputs, under ``torch.func`` transforms (the operators have no batching rules), and in
     a backward that is itself differentiated (``create_graph=True``: the gradient's kernel has no derivative); under
     ``torch.func.grad`` the forward, which sees plain tensors, takes the sums' kernel and the backward the
     convolutions, and under ``vmap`` both take the convolutions.
@@ -29,6 +30,7 @@ from torch import Tensor
 from .._autograd import transformed
 from .._custom_ops import custom_op
 from ..energy.triton_backend import usable_on
+from ._layouts import channels_last, dense, position_strides
 
 __all__ = ["takes", "squared_norms_by_window", "add_window_gradient_"]
 
@@ -36,9 +38,9 @@ _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def takes(x: Tensor) -> bool:
-    """Whether the kernels take the patch norms of ``x``: Triton usable on it, float32 or half, contiguous (NCHW),
-    not under a ``torch.func`` transform."""
-    return usable_on(x) and x.dtype in _DTYPES and x.is_contiguous() and not transformed(x)
+    """Whether the kernels take the patch norms of ``x``: Triton usable on it, float32 or half, contiguous in NCHW
+    or channels-last, not under a ``torch.func`` transform."""
+    return usable_on(x) and x.dtype in _DTYPES and dense(x) and not transformed(x)
 
 
 def _output_size(size: int, kernel: int, stride: int, padding: int, dilation: int) -> int:
@@ -81,14 +83,14 @@ def _(norms, kh, kw, sh, sw, ph, pw, dh, dw):
 def add_window_gradient(grad_x: Tensor, x: Tensor, grad_sq: Tensor, kh: int, kw: int, sh: int, sw: int, ph: int,
                         pw: int, dh: int, dw: int) -> None:
     """grad_x += 2 x t, t the box sum's adjoint of ``grad_sq`` (Tensor[B, G, H', W']), in place on ``grad_x`` (x's
-    shape, contiguous): one kernel."""
+    shape; each NCHW or channels-last): one kernel."""
     triton, kernels = _kernels()
     b, c, h, w = x.shape
     g, ho, wo = grad_sq.shape[1:]
-    bc, bp, warps = kernels.BLOCKS
+    bc, bp, warps = kernels.CHANNELS_LAST_BLOCKS if channels_last(x) else kernels.BLOCKS
     kernels.window_gradient_kernel[(b * g * triton.cdiv(c // g, bc) * triton.cdiv(h * w, bp),)](
-        grad_sq.contiguous(), x, grad_x, c // g, h, w, ho, wo, sh, sw, ph, pw, dh, dw, KH=kh, KW=kw, BC=bc, BP=bp,
-        num_warps=warps)
+        grad_sq.contiguous(), x, grad_x, g, c // g, h, w, ho, wo, sh, sw, ph, pw, dh, dw, *position_strides(x),
+        *position_strides(grad_x), KH=kh, KW=kw, BC=bc, BP=bp, num_warps=warps)
 
 
 @add_window_gradient.register_fake
@@ -107,10 +109,10 @@ def squared_norms_by_window(norms: Tensor, kernel_size, stride, padding, dilatio
 
 def add_window_gradient_(grad_x: Tensor, x: Tensor, grad_sq: Tensor, kernel_size, stride, padding, dilation) -> None:
     """dL/dx += 2 x dL/de in place, dL/de the box sum's adjoint of ``grad_sq`` = dL/ds (Note [box sums in a kernel]);
-    ``grad_x`` and ``x`` contiguous, of one shape."""
-    if not (grad_x.is_contiguous() and x.is_contiguous() and grad_x.shape == x.shape):
-        raise ValueError(f"add_window_gradient_ needs contiguous x and dL/dx of one shape, got {tuple(x.shape)} and "
-                         f"{tuple(grad_x.shape)}")
+    ``grad_x`` and ``x`` of one shape, each contiguous in NCHW or channels-last."""
+    if not (dense(grad_x) and dense(x) and grad_x.shape == x.shape and x.dim() == 4):
+        raise ValueError(f"add_window_gradient_ needs x and dL/dx of one shape Tensor[B, C, H, W], each contiguous in "
+                         f"NCHW or channels-last, got {tuple(x.shape)} and {tuple(grad_x.shape)}")
     geometry = _geometry(kernel_size, stride, padding, dilation)
     (b, c, h, w), groups = x.shape, grad_sq.shape[1]
     want = (b, groups, *(_output_size(n, *geometry[i::2]) for i, n in enumerate((h, w))))  # each axis's numbers
