@@ -50,7 +50,8 @@ def compile_check(arch: int = 90) -> list[dict]:
     """Compile the fused patch epilogue's kernels (:mod:`sphereml.layers.patch_epilogue`) for ``sm_<arch>`` on the CPU,
     in the forms the layers use (q and the parameter absent, a number or a tensor; with and without the decoupled
     operators' magnitude, as a tensor or evaluated in the kernels); float32 and bf16; NCHW, and channels-last for
-    four of the forms (the unit stride on the channels: Note [layouts in the kernels]).
+    four of the forms (the unit stride on the channels: Note [layouts in the kernels]), and the backward of two
+    forms reading a dL/dy broadcast from one value.
     Prints registers and spills.  Must run without TRITON_INTERPRET."""
     from sphereml.layers import _patch_kernels as kernels
 
@@ -63,12 +64,14 @@ def compile_check(arch: int = 90) -> list[dict]:
              ("cosine", 0, 0, "tensor"), ("sigmoid", 0, 1, "tensor"), ("cosine", 0, 0, (3, 2)),
              ("cosine", 0, 0, (2, 1)), ("sigmoid", 0, 1, (5, 2)), ("linear", 0, 0, (7, 1))]
     layouts = [("NCHW", form) for form in forms] + [("channels-last", forms[i]) for i in (0, 3, 9, 10)]
-    unit_strides = {"NCHW": {"SP": 1}, "channels-last": {"SC": 1}}  # as Triton specialises them
+    broadcast = [("broadcast dL/dy", forms[i]) for i in (0, 12)]  # the backward's reading of a .sum()'s gradient
+    unit_strides = {"NCHW": {"SP": 1}, "channels-last": {"SC": 1}, "broadcast dL/dy": {"SP": 1}}  # as Triton
+    # specialises them
     rows = []
     for name, kernel, (bc, bp, warps) in (("forward", kernels.forward_kernel, kernels.FORWARD_BLOCKS),
                                           ("backward", kernels.backward_kernel, kernels.BACKWARD_BLOCKS)):
         for dtype in ("fp32", "bf16"):
-            for layout, (epilogue, q_mode, param, magnitude) in layouts:
+            for layout, (epilogue, q_mode, param, magnitude) in layouts + (broadcast if name == "backward" else []):
                 code, r_mode = magnitude if isinstance(magnitude, tuple) else (0, 0)
                 types = {"INNER": f"*{dtype}", "SQ": "*fp32", "Q": "*fp32", "A": "*fp32", "MAG": "*fp32",
                          "R": "*fp32", "GRAD_MAG": "*fp32", "GRAD_R": "*fp32", "OUT": f"*{dtype}",
@@ -80,12 +83,12 @@ def compile_check(arch: int = 90) -> list[dict]:
                              "HAS_MAG": magnitude == "tensor", "MAGNITUDE": code, "R_MODE": r_mode, "BC": bc, "BP": bp,
                              **unit_strides[layout]}
                 if name == "backward":  # dL/dm for a learned q (a tensor), dL/dsq otherwise, as the layers ask
-                    constants.update(OF_SQ=q_mode != 2, R_GRAD=r_mode == 2, GRAD_BROADCAST=False)
+                    constants.update(OF_SQ=q_mode != 2, R_GRAD=r_mode == 2, GRAD_BROADCAST=layout == "broadcast dL/dy")
                 row = {"kernel": name, "dtype": dtype, "layout": layout, "epilogue": epilogue, "q_mode": q_mode,
                        "param": param, "magnitude": str(magnitude),
                        **compile_kernel(kernel, types, constants, warps, 2, arch)}
                 rows.append(row)
-                print(f"compile sm_{arch} patch {name:8s} {dtype} {layout:13s} {epilogue:8s} q {q_mode} param {param} "
+                print(f"compile sm_{arch} patch {name:8s} {dtype} {layout:15s} {epilogue:8s} q {q_mode} param {param} "
                       f"magnitude {row['magnitude']:6s}: "
                       f"registers {row['registers']}, spill stores {row['spill_store_bytes']} B", flush=True)
     return rows

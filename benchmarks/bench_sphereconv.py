@@ -121,8 +121,9 @@ def compile_check(arch: int = 90) -> list[dict]:
 
 def window_compile_check(arch: int = 90) -> list[dict]:
     """Compile the patch norms' box-sum kernels (:mod:`sphereml.layers.window_sums`) for ``sm_<arch>`` on the CPU,
-    for 3 x 3 and 5 x 5 windows and float32, bf16 and fp16 inputs, the gradient's in NCHW and channels-last (its
-    blocks and unit strides).  Prints registers and spills.  Must run without TRITON_INTERPRET."""
+    for 3 x 3 and 5 x 5 windows and float32, bf16 and fp16 inputs, the gradient's in NCHW, channels-last (its
+    blocks and unit strides) and x channels-last with an NCHW dL/dx.  Prints registers and spills.  Must run without
+    TRITON_INTERPRET."""
     from sphereml.layers import _window_kernels as kernels
 
     from .sm90 import compile_kernel
@@ -131,8 +132,9 @@ def window_compile_check(arch: int = 90) -> list[dict]:
     last_bc, last_bp, _ = kernels.CHANNELS_LAST_BLOCKS
     geometry = {name: "i32" for name in ("H", "W", "HO", "WO", "SH", "SW", "PH", "PW", "DH", "DW")}
     strides = {name: "i32" for name in ("G", "XB", "XC", "XP", "GB", "GC", "GP")}
-    layouts = {"gradient": {"BC": bc, "BP": bp, "XP": 1, "GP": 1},
-               "gradient, channels-last": {"BC": last_bc, "BP": last_bp, "XC": 1, "GC": 1}}
+    layouts = {"gradient": {"BC": bc, "BP": bp, "XP": 1, "GP": 1, "SAME_LAYOUT": True},
+               "gradient, channels-last": {"BC": last_bc, "BP": last_bp, "XC": 1, "GC": 1, "SAME_LAYOUT": True},
+               "gradient, x channels-last": {"BC": last_bc, "BP": last_bp, "XC": 1, "GP": 1, "SAME_LAYOUT": False}}
     rows = []
     for size in (3, 5):
         forms = [("sums", "fp32", kernels.window_sums_kernel, {"NORMS": "*fp32", "SQ": "*fp32"}, {"BP": bp})]
@@ -144,6 +146,6 @@ def window_compile_check(arch: int = 90) -> list[dict]:
                    **compile_kernel(kernel, {**types, **geometry}, {"KH": size, "KW": size, **blocks}, warps, 2,
                                     arch)}
             rows.append(row)
-            print(f"compile sm_{arch} window {name:23s} {size}x{size} {dtype}: registers {row['registers']}, "
+            print(f"compile sm_{arch} window {name:25s} {size}x{size} {dtype}: registers {row['registers']}, "
                   f"spill stores {row['spill_store_bytes']} B", flush=True)
     return rows

@@ -110,9 +110,9 @@ def _epilogue_step(form, layout, upstream_layout):
                          ids=["dL/dy NCHW", "dL/dy channels-last", "dL/dy expanded", "dL/dy transposed"])
 @pytest.mark.parametrize("form", EPILOGUE_FORMS)
 def test_the_epilogue_gives_the_nchw_results_in_channels_last(form, upstream):
-    """Inner products in channels-last: the output keeps their layout, and values and gradients are the NCHW
-    kernels' (for a dL/dy in y's layout, or broadcast from one value, as a ``.sum()`` gives it, both read where they
-    lie; in another layout, or with positions that do not flatten, copied into y's)."""
+    """Inner products in channels-last: the output and dL/d(inner products) keep their layout, and values and
+    gradients are the NCHW kernels' for a dL/dy in NCHW, in channels-last, broadcast from one value (a ``.sum()``'s)
+    or with positions that do not flatten (which tensors the kernels read where they lie: the next test)."""
     want = _epilogue_step(form, torch.contiguous_format, upstream)
     got = _epilogue_step(form, LAST, upstream)
     assert got[0].is_contiguous(memory_format=LAST) and want[0].is_contiguous()
@@ -122,18 +122,52 @@ def test_the_epilogue_gives_the_nchw_results_in_channels_last(form, upstream):
         _same(a, b)
 
 
-def test_the_epilogue_reads_channels_last_and_expanded_tensors_where_they_lie(monkeypatch):
-    """The kernels get the caller's inner products and a broadcast dL/dy themselves, not copies."""
+def test_the_epilogue_reads_channels_last_and_broadcast_tensors_where_they_lie(monkeypatch):
+    """The kernels get the caller's channels-last inner products and a dL/dy in y's layout or broadcast from one
+    value themselves, not copies; a dL/dy in NCHW is copied into y's layout."""
     recorders = {name: _Recorder(getattr(_patch_kernels, name)) for name in ("forward_kernel", "backward_kernel")}
     for name, recorder in recorders.items():
         monkeypatch.setattr(_patch_kernels, name, recorder)
     inner = torch.randn(2, 4, 5, 6, device=DEVICE).contiguous(memory_format=LAST).requires_grad_(True)
     sq = inner.detach().square().sum(1, keepdim=True) + 0.5
-    y = fused_epilogue(inner, sq, None, "sigmoid", 0.4, 1, 1e-6)
-    upstream = torch.ones((), device=DEVICE).expand(y.shape)
-    torch.autograd.grad(y, inner, upstream)
-    assert inner.data_ptr() in recorders["forward_kernel"].pointers[0]
-    assert {inner.data_ptr(), upstream.data_ptr()} <= recorders["backward_kernel"].pointers[0]
+    upstreams = [torch.ones((), device=DEVICE).expand(inner.shape), torch.randn_like(inner)]
+    upstreams.append(upstreams[1].contiguous())
+    for upstream in upstreams:
+        torch.autograd.grad(fused_epilogue(inner, sq, None, "sigmoid", 0.4, 1, 1e-6), inner, upstream)
+    assert all(inner.data_ptr() in pointers for pointers in recorders["forward_kernel"].pointers)
+    read = [{inner.data_ptr(), upstream.data_ptr()} <= pointers
+            for upstream, pointers in zip(upstreams, recorders["backward_kernel"].pointers)]
+    assert upstreams[1].is_contiguous(memory_format=LAST) and read == [True, True, False]
+
+
+def test_offsets_past_two_to_the_31_do_not_wrap():
+    """The offsets of a tile's elements in the second sample of 64 channels at 6,000 x 6,000 (2.3e9 values each),
+    NCHW and channels-last, as Python's integers give them: the tile's first element in int64 (an int32 product
+    wraps past 2^31)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def offsets(OUT, G, CG, SB, SC, SP, C0, P0):
+        first, tile = _patch_kernels.tile_offsets(1 * G, G, CG, C0, P0, 2, 2, SB, SC, SP)  # sample 1
+        tl.store(OUT + tl.arange(0, 2)[:, None] * 2 + tl.arange(0, 2)[None, :], first + tile)
+    c, p = 64, 6000 * 6000
+    for s_c, s_p in ((p, 1), (1, c)):
+        out = torch.zeros(2, 2, dtype=torch.int64, device=DEVICE)
+        offsets[(1,)](out, 1, c, c * p, s_c, s_p, c - 2, p - 2)
+        want = [[c * p + ch * s_c + pos * s_p for pos in (p - 2, p - 1)] for ch in (c - 2, c - 1)]
+        assert out.tolist() == want and min(min(row) for row in want) > 2**32
+
+
+def test_a_tile_spanning_two_to_the_31_elements_is_refused():
+    """Offsets within a tile are int32: an NCHW tile of 32 channels over 7e7 positions is a named error, a
+    channels-last one is not."""
+    from sphereml.layers._layouts import check_tile_span
+
+    positions = 70_000_000
+    with pytest.raises(ValueError, match="spans 2\\^31 elements or more"):
+        check_tile_span((64 * positions, positions, 1), 32, 128)
+    check_tile_span((64 * positions, 1, 64), 32, 128)
 
 
 @pytest.mark.parametrize("x_layout,grad_layout", [(LAST, LAST), (LAST, torch.contiguous_format),
@@ -214,8 +248,9 @@ def test_under_autocast_a_channels_last_layer_keeps_its_layout():
 
 
 def test_channels_last_takes_no_more_operations():
-    """Forward + backward of a fused SphereConv and a decoupled layer: the same 11 operators in channels-last as in
-    NCHW (no copy of x, of the inner products or of the kernels), as ``nn.Conv2d`` takes its 4 in either."""
+    """Forward + backward of a fused SphereConv and a decoupled layer: the same 11 operations in channels-last as in
+    NCHW (no copy of x or of the kernels, the box sums in their kernels), as ``nn.Conv2d`` takes its 4 in either.
+    Copies inside the operators are not counted: the recorder tests above look at those."""
     counts = {}
     for layout in (torch.contiguous_format, LAST):
         x = torch.randn(2, 16, 6, 6, device=DEVICE).contiguous(memory_format=layout).requires_grad_(True)
@@ -227,13 +262,14 @@ def test_channels_last_takes_no_more_operations():
     for name in ("nn.Conv2d", "SphereConv", "decoupled"):
         assert counts[name, LAST] == counts[name, torch.contiguous_format], name
     assert sum(counts["SphereConv", LAST].values()) == sum(counts["decoupled", LAST].values()) == 11
+    assert sum(counts["nn.Conv2d", LAST].values()) == 4
 
 
 @pytest.mark.parametrize("layouts", [(torch.contiguous_format, LAST), (LAST, torch.contiguous_format),
-                                     (LAST, LAST)], ids=["dL/dw channels-last", "w channels-last", "both"])
+                                     (LAST, LAST)], ids=["dL/dw_hat channels-last", "w channels-last", "both"])
 def test_unit_kernels_in_either_layout(layouts):
-    """The fused unit kernels on a weight and with an upstream gradient each NCHW or channels-last: w_hat and dL/dw in
-    the weight's layout, and the reference node's values."""
+    """The fused unit kernels on a weight and with an upstream gradient dL/dw_hat each NCHW or channels-last: w_hat
+    and dL/dw in the weight's layout, and the reference node's values."""
     g = torch.Generator().manual_seed(8)
     w0, upstream = torch.randn(6, 4, 3, 3, generator=g).to(DEVICE), torch.randn(6, 4, 3, 3, generator=g).to(DEVICE)
     w_layout, grad_layout = layouts

@@ -257,10 +257,11 @@ def test_auto_is_the_reference_on_the_cpu():
 
 
 def test_kernels_compile_for_sm90_without_spills():
-    """Both kernels for each form of q, p and h, float32 and bf16, in NCHW (and four forms in channels-last),
-    compiled for an H100 here (in a subprocess: the kernels of this process are interpreted)."""
+    """Both kernels for each form of q, p and h, float32 and bf16, in NCHW (and four forms in channels-last, two
+    backward forms with a broadcast dL/dy), compiled for an H100 here (in a subprocess: the kernels of this process
+    are interpreted)."""
     rows = sm90_compile_rows("bench_scs")
-    assert len(rows) == 72
+    assert len(rows) == 76
     for row in rows:
         assert row["spill_store_bytes"] in (0, None), row
         assert row["registers"] is None or row["registers"] <= 255, row

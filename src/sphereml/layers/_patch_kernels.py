@@ -45,7 +45,8 @@ import triton.language as tl
 
 from ..energy.triton_backend import interpreting
 
-__all__ = ["EPILOGUES", "FORWARD_BLOCKS", "BACKWARD_BLOCKS", "arccos", "forward_kernel", "backward_kernel"]
+__all__ = ["EPILOGUES", "FORWARD_BLOCKS", "BACKWARD_BLOCKS", "arccos", "tile_offsets", "forward_kernel",
+           "backward_kernel"]
 
 EPILOGUES = {"cosine": 0, "sharpen": 1, "linear": 2, "sigmoid": 3, "sqcosine": 4}
 
@@ -171,10 +172,12 @@ def _epilogue(c, a, EPILOGUE: tl.constexpr):
 
 
 @triton.jit
-def _offsets(bg, G, CG, ch, pos, SB, SC, SP):
-    """The (channels, positions) tile's offsets in a Tensor[B, C_out, P] with strides SB, SC, SP (sample b = bg // G,
-    channel g CG + ch of group g = bg % G)."""
-    return (bg // G).to(tl.int64) * SB + ((bg % G) * CG + ch[:, None]) * SC + pos[None, :] * SP
+def tile_offsets(bg, G, CG, c0, p0, BC: tl.constexpr, BP: tl.constexpr, SB, SC, SP):
+    """(the offset of the tile's first element, in int64: a sample may hold 2^31 values or more; the offsets of its
+    BC x BP elements from there, in int32) for the tile of channels c0.. and positions p0.. of sample b = bg // G and
+    group g = bg % G (channel g CG + c0) in a Tensor[B, C, P] with strides SB, SC, SP."""
+    first = (bg // G).to(tl.int64) * SB + ((bg % G) * CG + c0).to(tl.int64) * SC + p0.to(tl.int64) * SP
+    return first, tl.arange(0, BC)[:, None] * SC + tl.arange(0, BP)[None, :] * SP
 
 
 @triton.jit
@@ -191,13 +194,13 @@ def forward_kernel(INNER, SQ, Q, A, MAG, R, OUT, q_value, a_value, r_value, alph
     channel_blocks, position_blocks = tl.cdiv(CG, BC), tl.cdiv(P, BP)
     pid = tl.program_id(0)
     bg = pid // (channel_blocks * position_blocks)
-    ch = (pid // position_blocks) % channel_blocks * BC + tl.arange(0, BC)
-    pos = pid % position_blocks * BP + tl.arange(0, BP)
+    c0, p0 = (pid // position_blocks) % channel_blocks * BC, pid % position_blocks * BP
+    ch, pos = c0 + tl.arange(0, BC), p0 + tl.arange(0, BP)
     cmask, pmask = ch < CG, pos < P
     m, n, _ = _denominator(SQ, Q, q_value, bg, pos, pmask, P, eps2, Q_MODE)
-    offsets = _offsets(bg, G, CG, ch, pos, SB, SC, SP)
+    first, offsets = tile_offsets(bg, G, CG, c0, p0, BC, BP, SB, SC, SP)
     mask = cmask[:, None] & pmask[None, :]
-    c = _clamp(tl.load(INNER + offsets, mask=mask, other=0.0).to(tl.float32) / m[None, :])
+    c = _clamp(tl.load(INNER + first + offsets, mask=mask, other=0.0).to(tl.float32) / m[None, :])
     a = _parameter(A, a_value, bg % G, ch, cmask, CG, PARAM)
     y, _, _ = _epilogue(c, a[:, None], EPILOGUE)
     if HAS_MAG:
@@ -205,7 +208,7 @@ def forward_kernel(INNER, SQ, Q, A, MAG, R, OUT, q_value, a_value, r_value, alph
     if MAGNITUDE != 0:
         h, _, _ = _magnitude(n, R, r_value, alpha, beta, MAGNITUDE, R_MODE)
         y = y * h[None, :]
-    tl.store(OUT + offsets, y.to(OUT.dtype.element_ty), mask=mask)
+    tl.store(OUT + first + offsets, y.to(OUT.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -236,13 +239,13 @@ def backward_kernel(INNER, SQ, Q, A, MAG, R, GRAD_Y, GRAD_INNER, GRAD_M, GRAD_A,
     for c0 in range(0, CG, BC):
         ch = c0 + tl.arange(0, BC)
         cmask = ch < CG
-        offsets = _offsets(bg, G, CG, ch, pos, SB, SC, SP)
+        first, offsets = tile_offsets(bg, G, CG, c0, block * BP, BC, BP, SB, SC, SP)
         mask = cmask[:, None] & pmask[None, :]
-        inner = tl.load(INNER + offsets, mask=mask, other=0.0).to(tl.float32)
+        inner = tl.load(INNER + first + offsets, mask=mask, other=0.0).to(tl.float32)
         if GRAD_BROADCAST:
             grad = tl.where(mask, tl.load(GRAD_Y).to(tl.float32), 0.0)
         else:
-            grad = tl.load(GRAD_Y + offsets, mask=mask, other=0.0).to(tl.float32)
+            grad = tl.load(GRAD_Y + first + offsets, mask=mask, other=0.0).to(tl.float32)
         if EPILOGUE != 0 or HAS_MAG or MAGNITUDE != 0:
             c = _clamp(inner / m[None, :])
             a = _parameter(A, a_value, g, ch, cmask, CG, PARAM)
@@ -253,7 +256,7 @@ def backward_kernel(INNER, SQ, Q, A, MAG, R, GRAD_Y, GRAD_INNER, GRAD_M, GRAD_A,
             if PARAM == 2:
                 tl.store(GRAD_A + partial_row + g * CG + ch, tl.sum(grad * dy_da, axis=1), mask=cmask)
             grad = grad * dy_dc
-        tl.store(GRAD_INNER + offsets, (grad / m[None, :]).to(GRAD_INNER.dtype.element_ty), mask=mask)
+        tl.store(GRAD_INNER + first + offsets, (grad / m[None, :]).to(GRAD_INNER.dtype.element_ty), mask=mask)
         acc += tl.sum(grad * inner, axis=0)
     grad_m = -acc / (m * m)
     if MAGNITUDE != 0:  # m = n: h's share of dL/dn

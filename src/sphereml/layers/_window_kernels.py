@@ -20,14 +20,16 @@ import triton
 import triton.language as tl
 
 from ..energy.triton_backend import interpreting
+from ._patch_kernels import tile_offsets
 
 __all__ = ["BLOCKS", "CHANNELS_LAST_BLOCKS", "window_sums_kernel", "window_gradient_kernel"]
 
 # (channel block, position block, warps): small under the interpreter; on a GPU a position block of 256 with 4
 # warps (the sums kernel holds one float32 per position, the gradient kernel an 8 x 256 tile of x and of dL/dx).
 # In channels-last x, whose channels lie next to each other, the gradient kernel's tile is 8 x 128 (each position's
-# 8 channels one 32-byte sector in float32): compiled for sm_90a with the channels' unit stride, 8 x 256 took 90-95
-# registers, 8 x 128 44-56 (3 x 3 to 7 x 7 windows), and tiles of 16 or more channels 95-255, some with spills.
+# 8 channels one 32-byte sector in float32): compiled for sm_90a with the channels' unit stride it takes 40-56
+# registers (3 x 3 and 5 x 5 windows); in a first version 8 x 256 took 90-95, and tiles of 16 or more channels
+# 95-255, some with spills.
 BLOCKS = (4, 16, 4) if interpreting() else (8, 256, 4)
 CHANNELS_LAST_BLOCKS = (4, 16, 4) if interpreting() else (8, 128, 4)
 
@@ -61,14 +63,15 @@ def window_sums_kernel(NORMS, SQ, H, W, HO, WO, SH, SW, PH, PW, DH, DW, KH: tl.c
 
 @triton.jit
 def window_gradient_kernel(GRAD_SQ, X, GRAD_X, G, CG, H, W, HO, WO, SH, SW, PH, PW, DH, DW, XB, XC, XP, GB, GC, GP,
-                           KH: tl.constexpr, KW: tl.constexpr, BC: tl.constexpr, BP: tl.constexpr):
+                           KH: tl.constexpr, KW: tl.constexpr, SAME_LAYOUT: tl.constexpr, BC: tl.constexpr,
+                           BP: tl.constexpr):
     """GRAD_X += 2 X t on one (channel block, position block) tile, t the box sum's adjoint of GRAD_SQ at each
     input position (see the module docstring); a 1-D grid over (b g, channel block, position block)."""
     channel_blocks, position_blocks = tl.cdiv(CG, BC), tl.cdiv(H * W, BP)
     pid = tl.program_id(0)
     bg = pid // (channel_blocks * position_blocks)
-    ch = (pid // position_blocks) % channel_blocks * BC + tl.arange(0, BC)
-    pos = pid % position_blocks * BP + tl.arange(0, BP)
+    c0, p0 = (pid // position_blocks) % channel_blocks * BC, pid % position_blocks * BP
+    ch, pos = c0 + tl.arange(0, BC), p0 + tl.arange(0, BP)
     pmask = pos < H * W
     row0, col0 = pos // W + PH, pos % W + PW
     base = GRAD_SQ + bg.to(tl.int64) * HO * WO
@@ -82,9 +85,12 @@ def window_gradient_kernel(GRAD_SQ, X, GRAD_X, G, CG, H, W, HO, WO, SH, SW, PH, 
             j = tl.maximum(col, 0) // SW
             covered = row_covered & (col >= 0) & (col == j * SW) & (j < WO)
             t += tl.load(base + i * WO + j, mask=covered, other=0.0)
-    b, channel = (bg // G).to(tl.int64), (bg % G) * CG + ch[:, None]
-    grad_offsets = b * GB + channel * GC + pos[None, :] * GP
+    x_first, x_offsets = tile_offsets(bg, G, CG, c0, p0, BC, BP, XB, XC, XP)
+    grad_first, grad_offsets = x_first, x_offsets
+    if not SAME_LAYOUT:  # one set of offsets where x and dL/dx share their strides (two spilled registers in fp16)
+        grad_first, grad_offsets = tile_offsets(bg, G, CG, c0, p0, BC, BP, GB, GC, GP)
     mask = (ch < CG)[:, None] & pmask[None, :]
-    x = tl.load(X + b * XB + channel * XC + pos[None, :] * XP, mask=mask, other=0.0).to(tl.float32)
-    grad = tl.load(GRAD_X + grad_offsets, mask=mask, other=0.0).to(tl.float32)
-    tl.store(GRAD_X + grad_offsets, (grad + x * (2.0 * t)[None, :]).to(GRAD_X.dtype.element_ty), mask=mask)
+    x = tl.load(X + x_first + x_offsets, mask=mask, other=0.0).to(tl.float32)
+    grad = tl.load(GRAD_X + grad_first + grad_offsets, mask=mask, other=0.0).to(tl.float32)
+    tl.store(GRAD_X + grad_first + grad_offsets, (grad + x * (2.0 * t)[None, :]).to(GRAD_X.dtype.element_ty),
+             mask=mask)

@@ -26,7 +26,7 @@ from torch import Tensor
 
 from .._custom_ops import custom_op
 from ..energy.triton_backend import choose_backend, usable_on
-from ._layouts import densified, position_strides, same_strides
+from ._layouts import check_tile_span, densified, position_strides, same_strides
 from .magnitudes import Magnitude
 
 __all__ = ["EPILOGUES", "resolve_backend", "fused_epilogue", "per_channel"]
@@ -71,14 +71,17 @@ def _launch(kind: str, inner: Tensor, sq: Tensor, q, q_value, a, a_value, mag, h
     numbers = (q_slot[1], a_slot[1], r_slot[1], alpha, beta)
     pointers = (inner, sq, q_slot[0], a_slot[0], placeholder if mag is None else mag.contiguous(), r_slot[0])
     sizes = (groups, co // groups, ho * wo)
+    strides = position_strides(inner)
     if kind == "forward":
         bc, bp, warps = kernels.FORWARD_BLOCKS
+        check_tile_span(strides, bc, bp)
         out = torch.empty_like(inner)
         grid = (b * groups * triton.cdiv(co // groups, bc) * triton.cdiv(ho * wo, bp),)
-        kernels.forward_kernel[grid](*pointers, out, *numbers, *sizes, *position_strides(inner), eps * eps, **modes,
-                                     BC=bc, BP=bp, num_warps=warps)
+        kernels.forward_kernel[grid](*pointers, out, *numbers, *sizes, *strides, eps * eps, **modes, BC=bc, BP=bp,
+                                     num_warps=warps)
         return out
     bc, bp, warps = kernels.BACKWARD_BLOCKS
+    check_tile_span(strides, bc, bp)
     blocks = triton.cdiv(ho * wo, bp)
     grad_inner, grad_m = torch.empty_like(inner), torch.empty_like(sq)
     broadcast = not any(grad.stride())  # one value for all: the gradient of a .sum()
@@ -88,8 +91,8 @@ def _launch(kind: str, inner: Tensor, sq: Tensor, q, q_value, a, a_value, mag, h
     grad_mag = torch.empty_like(sq) if mag is not None else placeholder
     grad_r = sq.new_empty(b * groups * blocks if r_grad else 1)
     kernels.backward_kernel[(b * groups * blocks,)](
-        *pointers, grad, grad_inner, grad_m, partial, grad_mag, grad_r, *numbers, *sizes, co, *position_strides(inner),
-        eps * eps, **modes, R_GRAD=r_grad, OF_SQ=of_sq, GRAD_BROADCAST=broadcast, BC=bc, BP=bp, num_warps=warps)
+        *pointers, grad, grad_inner, grad_m, partial, grad_mag, grad_r, *numbers, *sizes, co, *strides, eps * eps,
+        **modes, R_GRAD=r_grad, OF_SQ=of_sq, GRAD_BROADCAST=broadcast, BC=bc, BP=bp, num_warps=warps)
     return (grad_inner, grad_m, partial.sum(0) if a is not None else partial.new_empty(0),
             grad_mag if mag is not None else sq.new_empty(0), grad_r.sum() if r_grad else sq.new_empty(0))
 

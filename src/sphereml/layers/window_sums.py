@@ -30,7 +30,7 @@ from torch import Tensor
 from .._autograd import transformed
 from .._custom_ops import custom_op
 from ..energy.triton_backend import usable_on
-from ._layouts import channels_last, dense, position_strides
+from ._layouts import channels_last, check_tile_span, dense, position_strides
 
 __all__ = ["takes", "squared_norms_by_window", "add_window_gradient_"]
 
@@ -88,9 +88,12 @@ def add_window_gradient(grad_x: Tensor, x: Tensor, grad_sq: Tensor, kh: int, kw:
     b, c, h, w = x.shape
     g, ho, wo = grad_sq.shape[1:]
     bc, bp, warps = kernels.CHANNELS_LAST_BLOCKS if channels_last(x) else kernels.BLOCKS
+    strides = position_strides(x), position_strides(grad_x)
+    for layout in strides:
+        check_tile_span(layout, bc, bp)
     kernels.window_gradient_kernel[(b * g * triton.cdiv(c // g, bc) * triton.cdiv(h * w, bp),)](
-        grad_sq.contiguous(), x, grad_x, g, c // g, h, w, ho, wo, sh, sw, ph, pw, dh, dw, *position_strides(x),
-        *position_strides(grad_x), KH=kh, KW=kw, BC=bc, BP=bp, num_warps=warps)
+        grad_sq.contiguous(), x, grad_x, g, c // g, h, w, ho, wo, sh, sw, ph, pw, dh, dw, *strides[0], *strides[1],
+        KH=kh, KW=kw, SAME_LAYOUT=strides[0] == strides[1], BC=bc, BP=bp, num_warps=warps)
 
 
 @add_window_gradient.register_fake
