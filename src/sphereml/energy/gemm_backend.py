@@ -38,7 +38,7 @@ from torch import Tensor
 from .._checks import integer
 from .._custom_ops import custom_op
 from .kernels import CLOSE_R2
-from .triton_backend import power_path
+from .triton_backend import cdiv, power_path
 
 __all__ = ["BLOCK_BUDGET", "block_rows", "GemmEnergy", "gemm_energy"]
 
@@ -67,7 +67,7 @@ def energy_pair_sums(gram: Tensor, q: Tensor, sq: Tensor, start: int, s: float, 
     triton, kernels = _kernels()
     (m, d), b = q.shape, len(gram)
     bm, bn, warps = kernels.PAIR_BLOCKS
-    row_tiles, tiles = triton.cdiv(b, bm), triton.cdiv(m, bn)
+    row_tiles, tiles = cdiv(b, bm), cdiv(m, bn)
     values = q.new_empty(b, tiles)
     dsum = q.new_empty(b, tiles if with_grad else 0)
     flags = q.new_empty(row_tiles, tiles if with_grad else 0, dtype=torch.int32)
@@ -95,7 +95,7 @@ def energy_close_gradient(rows: Tensor, q: Tensor, sq: Tensor, flags: Tensor, st
     bm, bn, _ = kernels.PAIR_BLOCKS
     largest, fb, warps = kernels.CLOSE_BLOCKS
     bdo = min(largest, max(16, triton.next_power_of_2(d)))  # d-slices no wider than d needs
-    kernels.close_gradient_kernel[(triton.cdiv(b, bm), triton.cdiv(d, bdo))](
+    kernels.close_gradient_kernel[(cdiv(b, bm), cdiv(d, bdo))](
         q, sq, flags, rows, start, b, m, d, q.stride(0), rows.stride(0), flags.shape[1], s, eps, CLOSE_R2,
         POWER=power_path(s), BM=bm, BN=bn, BDO=bdo, FB=fb, num_warps=warps, num_stages=1)
 

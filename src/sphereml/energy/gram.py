@@ -29,7 +29,7 @@ from torch._C._functorch import is_functorch_wrapped_tensor
 
 from .._autograd import Function
 from .._custom_ops import custom_op
-from .triton_backend import choose_backend, power_path, usable_on
+from .triton_backend import cdiv, choose_backend, power_path, usable_on
 
 __all__ = ["gram_energies", "gram_energies_reference", "CPU_CHUNK", "PAIRS_BACKEND", "pairs_fused"]
 
@@ -157,15 +157,13 @@ def pairs_fused(gram: Tensor, metric: str) -> bool:
 
 def _pair_launch(gram: Tensor, minus: Tensor, plus: Tensor | None, s: float, eps: float, grad: Tensor | None = None):
     """Run ``energy_kernel`` (``grad`` None: Tensor[B]) or ``gradient_kernel`` (Tensor[B, N, N])."""
-    import triton
-
     from . import _pair_kernels as kernels
 
     (count, rows, _), (bm, bn, warps) = gram.shape, kernels.PAIR_BLOCKS
     gram, minus = gram.contiguous(), minus.contiguous()
     plus_or_minus = minus if plus is None else plus.contiguous()
     params = _kernel_params(s, eps, gram.device)
-    blocks = triton.cdiv(rows, bm)
+    blocks = cdiv(rows, bm)
     options = {"HAS_PLUS": plus is not None, "POWER": power_path(s), "BM": bm, "BN": bn, "num_warps": warps}
     if grad is None:
         partial = gram.new_empty(count, blocks)

@@ -44,7 +44,7 @@ from torch import Tensor
 
 from .._autograd import Function, transformed
 from .._custom_ops import custom_op
-from ..energy.triton_backend import choose_backend, launchable, usable_on
+from ..energy.triton_backend import cdiv, choose_backend, launchable, usable_on
 from ..geometry import safe_norm
 
 __all__ = ["WeightNormalizedLinear", "weight_normalized_linear", "margin_cross_entropy", "label_split",
@@ -197,31 +197,29 @@ def _(raw, inv, labels, lse, row_scale, label_grad, has_inv, has_label_grad, sca
 
 
 def _kernels():
-    import triton
-
     from . import _margin_kernels
 
-    return triton, _margin_kernels
+    return _margin_kernels
 
 
 def _triton_norms(weight, eps):
-    triton, kernels = _kernels()
+    kernels = _kernels()
     (c, d), (br, bd, warps) = weight.shape, kernels.NORM_BLOCKS
     weight = weight.contiguous()
     norm, inv, dinv = (torch.empty(c, dtype=torch.float32, device=weight.device) for _ in range(3))
-    kernels.norm_kernel[(triton.cdiv(c, br),)](weight, norm, inv, dinv, c, d, weight.stride(0), eps, BR=br, BD=bd,
+    kernels.norm_kernel[(cdiv(c, br),)](weight, norm, inv, dinv, c, d, weight.stride(0), eps, BR=br, BD=bd,
                                                num_warps=warps)
     return norm, inv, dinv
 
 
 def _triton_lse(raw, inv, labels, has_inv, write_logits):
-    triton, kernels = _kernels()
+    kernels = _kernels()
     (b, c), (bm, bn, warps) = raw.shape, kernels.LSE_BLOCKS
     raw, inv, labels = raw.contiguous(), launchable(inv), labels.contiguous()  # the kernels assume stride 1
-    row_blocks = triton.cdiv(b, bm)
-    n_chunks = max(1, min(triton.cdiv(c, bn), triton.cdiv(4 * 132, max(row_blocks, 1))))  # ~4 programs per H100 SM
-    chunk = triton.cdiv(triton.cdiv(c, n_chunks), bn) * bn  # a multiple of BN: tiles never straddle chunks
-    n_chunks = triton.cdiv(c, chunk)
+    row_blocks = cdiv(b, bm)
+    n_chunks = max(1, min(cdiv(c, bn), cdiv(4 * 132, max(row_blocks, 1))))  # ~4 programs per H100 SM
+    chunk = cdiv(cdiv(c, n_chunks), bn) * bn  # a multiple of BN: tiles never straddle chunks
+    n_chunks = cdiv(c, chunk)
     maxes = torch.empty(b, n_chunks, dtype=torch.float32, device=raw.device)
     sums, rest, raw_y = torch.empty_like(maxes), maxes.new_empty(b), maxes.new_empty(b)
     logits = raw.new_empty(raw.shape if write_logits else (1,), dtype=_logits_dtype(raw, has_inv))
@@ -229,15 +227,15 @@ def _triton_lse(raw, inv, labels, has_inv, write_logits):
                                                 chunk, n_chunks, HAS_INV=has_inv, WRITE_LOGITS=write_logits,
                                                 BM=bm, BN=bn, num_warps=warps)
     bm, bk, warps = kernels.COMBINE_BLOCKS
-    kernels.combine_kernel[(triton.cdiv(b, bm),)](maxes, sums, rest, b, n_chunks, BM=bm, BK=bk, num_warps=warps)
+    kernels.combine_kernel[(cdiv(b, bm),)](maxes, sums, rest, b, n_chunks, BM=bm, BK=bk, num_warps=warps)
     return rest, raw_y, logits if write_logits else logits.new_empty(0)
 
 
 def _triton_grad(raw, inv, labels, lse, row_scale, label_grad, has_inv, has_label_grad, scale):
-    triton, kernels = _kernels()
+    kernels = _kernels()
     (b, c), (bm, bn, warps) = raw.shape, kernels.GRAD_BLOCKS
     raw, inv, labels, label_grad = raw.contiguous(), launchable(inv), labels.contiguous(), launchable(label_grad)
-    grid = (triton.cdiv(b, bm), triton.cdiv(c, bn))
+    grid = (cdiv(b, bm), cdiv(c, bn))
     grad = torch.empty_like(raw)
     partial = torch.empty(grid[0] if has_inv else 1, c, dtype=torch.float32, device=raw.device)
     kernels.grad_kernel[grid](raw, inv, labels, lse, row_scale.contiguous(), label_grad,

@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from .._custom_ops import custom_op
-from ..energy.triton_backend import choose_backend, usable_on
+from ..energy.triton_backend import cdiv, choose_backend, usable_on
 from ._layouts import check_tile_span, densified, position_strides, same_strides
 from .magnitudes import Magnitude
 
@@ -55,8 +55,6 @@ def _slot(tensor: Tensor | None, number: float | None, placeholder: Tensor, defa
 def _launch(kind: str, inner: Tensor, sq: Tensor, q, q_value, a, a_value, mag, h: tuple, epilogue: int,
             groups: int, eps: float, grad: Tensor | None = None, of_sq: bool = False, r_grad: bool = False):
     """``h``: (the kernels' MAGNITUDE number, alpha, beta, radius tensor or None, radius number or None)."""
-    import triton
-
     from . import _patch_kernels as kernels
 
     (b, co, ho, wo), placeholder = inner.shape, sq.new_empty(1)
@@ -76,13 +74,13 @@ def _launch(kind: str, inner: Tensor, sq: Tensor, q, q_value, a, a_value, mag, h
         bc, bp, warps = kernels.FORWARD_BLOCKS
         check_tile_span(strides, bc, bp)
         out = torch.empty_like(inner)
-        grid = (b * groups * triton.cdiv(co // groups, bc) * triton.cdiv(ho * wo, bp),)
+        grid = (b * groups * cdiv(co // groups, bc) * cdiv(ho * wo, bp),)
         kernels.forward_kernel[grid](*pointers, out, *numbers, *sizes, *strides, eps * eps, **modes, BC=bc, BP=bp,
                                      num_warps=warps)
         return out
     bc, bp, warps = kernels.BACKWARD_BLOCKS
     check_tile_span(strides, bc, bp)
-    blocks = triton.cdiv(ho * wo, bp)
+    blocks = cdiv(ho * wo, bp)
     grad_inner, grad_m = torch.empty_like(inner), torch.empty_like(sq)
     broadcast = not any(grad.stride())  # one value for all: the gradient of a .sum()
     if not (broadcast or same_strides(grad, inner)):  # dL/dy in another layout than y's: a copy in y's

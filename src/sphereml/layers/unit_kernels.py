@@ -24,6 +24,7 @@ from torch import Tensor
 
 from .._autograd import Function
 from .._custom_ops import custom_op
+from ..energy.triton_backend import cdiv
 from ..geometry import safe_norm
 from ._layouts import channels_last
 
@@ -68,22 +69,20 @@ class _UnitKernels(Function):
 
 
 def _kernels():
-    import triton
-
     from . import _unit_kernels
-    return triton, _unit_kernels
+    return _unit_kernels
 
 
 @custom_op("sphereml::unit_kernels", mutates_args=())
 def unit_kernels_forward(rows: Tensor, eps: float) -> tuple[Tensor, Tensor, Tensor]:
     """(u = w / max(||w||, eps) for every row w of ``rows`` (Tensor[R, D], contiguous), inv = 1 / max(||w||, eps)
     and active = [||w|| >= eps]: Tensor[R], float32): one kernel."""
-    triton, kernels = _kernels()
+    kernels = _kernels()
     (r, d), (br, bd, warps) = rows.shape, kernels.BLOCKS
     rows = rows.contiguous()  # the kernels read and write whole rows
     unit, inv, active = torch.empty(rows.shape, dtype=rows.dtype, device=rows.device), rows.new_empty(
         r, dtype=torch.float32), rows.new_empty(r, dtype=torch.float32)
-    kernels.forward_kernel[(triton.cdiv(r, br),)](rows, unit, inv, active, r, d, eps, BR=br, BD=bd, num_warps=warps)
+    kernels.forward_kernel[(cdiv(r, br),)](rows, unit, inv, active, r, d, eps, BR=br, BD=bd, num_warps=warps)
     return unit, inv, active
 
 
@@ -96,11 +95,11 @@ def _(rows, eps):
 @custom_op("sphereml::unit_kernels_backward", mutates_args=())
 def unit_kernels_backward(grad: Tensor, unit: Tensor, inv: Tensor, active: Tensor) -> Tensor:
     """dL/dw = inv (dL/du - active (dL/du . u) u) for every row (``grad``, ``unit``: Tensor[R, D]): one kernel."""
-    triton, kernels = _kernels()
+    kernels = _kernels()
     (r, d), (br, bd, warps) = unit.shape, kernels.BLOCKS
     unit, inv, active = unit.contiguous(), inv.contiguous(), active.contiguous()
     out = torch.empty(unit.shape, dtype=unit.dtype, device=unit.device)
-    kernels.backward_kernel[(triton.cdiv(r, br),)](grad.contiguous(), unit, inv, active, out, r, d, BR=br, BD=bd,
+    kernels.backward_kernel[(cdiv(r, br),)](grad.contiguous(), unit, inv, active, out, r, d, BR=br, BD=bd,
                                                    num_warps=warps)
     return out
 

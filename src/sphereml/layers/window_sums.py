@@ -29,7 +29,7 @@ from torch import Tensor
 
 from .._autograd import transformed
 from .._custom_ops import custom_op
-from ..energy.triton_backend import usable_on
+from ..energy.triton_backend import cdiv, usable_on
 from ._layouts import channels_last, check_tile_span, dense, position_strides
 
 __all__ = ["takes", "squared_norms_by_window", "add_window_gradient_"]
@@ -53,22 +53,20 @@ def _geometry(kernel_size, stride, padding, dilation) -> tuple[int, ...]:
 
 
 def _kernels():
-    import triton
-
     from . import _window_kernels
-    return triton, _window_kernels
+    return _window_kernels
 
 
 @custom_op("sphereml::window_sums", mutates_args=())
 def window_sums(norms: Tensor, kh: int, kw: int, sh: int, sw: int, ph: int, pw: int, dh: int, dw: int) -> Tensor:
     """s = the sum over each window of norms^2 (``norms``: Tensor[B, G, H, W] float32; s: Tensor[B, G, H', W']
     float32): one kernel."""
-    triton, kernels = _kernels()
+    kernels = _kernels()
     b, g, h, w = norms.shape
     ho, wo = _output_size(h, kh, sh, ph, dh), _output_size(w, kw, sw, pw, dw)
     out = norms.new_empty(b, g, ho, wo)
     _, bp, warps = kernels.BLOCKS
-    kernels.window_sums_kernel[(b * g * triton.cdiv(ho * wo, bp),)](
+    kernels.window_sums_kernel[(b * g * cdiv(ho * wo, bp),)](
         norms.contiguous(), out, h, w, ho, wo, sh, sw, ph, pw, dh, dw, KH=kh, KW=kw, BP=bp, num_warps=warps)
     return out
 
@@ -84,14 +82,14 @@ def add_window_gradient(grad_x: Tensor, x: Tensor, grad_sq: Tensor, kh: int, kw:
                         pw: int, dh: int, dw: int) -> None:
     """grad_x += 2 x t, t the box sum's adjoint of ``grad_sq`` (Tensor[B, G, H', W']), in place on ``grad_x`` (x's
     shape; each NCHW or channels-last): one kernel."""
-    triton, kernels = _kernels()
+    kernels = _kernels()
     b, c, h, w = x.shape
     g, ho, wo = grad_sq.shape[1:]
     bc, bp, warps = kernels.CHANNELS_LAST_BLOCKS if channels_last(x) else kernels.BLOCKS
     strides = position_strides(x), position_strides(grad_x)
     for layout in strides:
         check_tile_span(layout, bc, bp)
-    kernels.window_gradient_kernel[(b * g * triton.cdiv(c // g, bc) * triton.cdiv(h * w, bp),)](
+    kernels.window_gradient_kernel[(b * g * cdiv(c // g, bc) * cdiv(h * w, bp),)](
         grad_sq.contiguous(), x, grad_x, g, c // g, h, w, ho, wo, sh, sw, ph, pw, dh, dw, *strides[0], *strides[1],
         KH=kh, KW=kw, SAME_LAYOUT=strides[0] == strides[1], BC=bc, BP=bp, num_warps=warps)
 
