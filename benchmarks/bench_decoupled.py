@@ -24,6 +24,13 @@ K = 3
 SIZES = [(32, 64, 32), (128, 128, 32)]  # (batch, channels, side); the second on CUDA only
 
 
+def _functional_row(rho: str, backend: str) -> str:
+    return f"TanhConv cosine, {rho} ({backend} epilogue)"
+
+
+FUSED_ROWS = tuple(_functional_row(rho, "fused") for rho in ("rho 1", "learned rho"))  # timed on CUDA only
+
+
 def run(device: torch.device, sizes: list[tuple[int, int, int]] | None = None, repeats: int = 20) -> dict:
     results = {}
     for b, c, side in sizes or smoke_or(SIZES if device.type == "cuda" else SIZES[:1], [(2, 4, 8)]):
@@ -43,9 +50,9 @@ def run(device: torch.device, sizes: list[tuple[int, int, int]] | None = None, r
             operators["TanhConv cosine (compiled)"] = torch.compile(tanh)
         if device.type == "cuda":
             for backend in ("reference", "fused"):
-                operators[f"TanhConv cosine, rho 1 ({backend} epilogue)"] = lambda inp, b=backend: decoupled_conv2d(
+                operators[_functional_row("rho 1", backend)] = lambda inp, b=backend: decoupled_conv2d(
                     inp, tanh.weight, padding=1, magnitude="tanh", backend=b)
-                operators[f"TanhConv cosine, learned rho ({backend} epilogue)"] = \
+                operators[_functional_row("learned rho", backend)] = \
                     lambda inp, b=backend: decoupled_conv2d(inp, learned.weight, padding=1, magnitude="tanh",
                                                             rho=learned.rho, backend=b)
         name = "decoupled_fwd_bwd" if (b, c, side) == SIZES[0] else f"decoupled_fwd_bwd_b{b}_c{c}_s{side}"

@@ -34,6 +34,9 @@ K = 3
 CPU_SIZES = [(32, 64, 32)]  # (batch, channels, side)
 CUDA_SIZES = [(32, 64, 32), (128, 128, 32), (64, 256, 16)]
 COMPILED_SIZE = (128, 128, 32)  # on CUDA every variant is also timed under torch.compile at this size
+# the rows timed on CUDA only, through the fused epilogue (benchmarks/goals.py names some of them)
+FUSED_ROWS = {"cosine": "SphereConv2d cosine (fused epilogue)", "sigmoid": "SphereConv2d sigmoid (fused epilogue)",
+              "channels-last": "SphereConv2d cosine (fused epilogue, channels-last)"}
 
 
 def _layers(c: int, device: torch.device) -> dict[str, torch.nn.Module]:
@@ -57,7 +60,7 @@ def _candidates(size, device: torch.device, dtype: torch.dtype | None) -> dict:
             operators[f"{label} (compiled)"] = torch.compile(layer)
     if device.type == "cuda":
         for angular in ("cosine", "sigmoid") if dtype is None else ("cosine",):
-            operators[f"SphereConv2d {angular} (fused epilogue)"] = lambda inp, a=angular: patch_cosine2d(
+            operators[FUSED_ROWS[angular]] = lambda inp, a=angular: patch_cosine2d(
                 inp, conv.weight, padding=1, angular=a, k=0.3, backend="fused")
     if dtype is None:
         operators["unfold cosine (port style)"] = lambda inp: sphere_conv2d_reference(inp, conv.weight, padding=1)
@@ -71,7 +74,7 @@ def _channels_last(conv: torch.nn.Conv2d, x: torch.Tensor, target: torch.Tensor,
     last = torch.channels_last
     conv = copy.deepcopy(conv).to(memory_format=last)
     operators = {"nn.Conv2d (channels-last)": conv,
-                 "SphereConv2d cosine (fused epilogue, channels-last)": lambda inp: patch_cosine2d(
+                 FUSED_ROWS["channels-last"]: lambda inp: patch_cosine2d(
                      inp, conv.weight, padding=1, backend="fused")}
     x = x.detach().contiguous(memory_format=last).requires_grad_(True)
     return forward_backward(operators, x, target.contiguous(memory_format=last), dtype)

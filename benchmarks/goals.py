@@ -45,6 +45,15 @@ GOALS = (
     Goal(29, f"TanhConv x cosine, {_CONV_B32}", "decoupled_fwd_bwd", "TanhConv cosine, rho E{||x||}", 1.4),
     Goal(29, f"TanhConv x cosine, {_CONV_B128}", "decoupled_fwd_bwd_b128_c128_s32", "TanhConv cosine, rho E{||x||}",
          1.4),
+    *(Goal(29, f"SphereConv cosine fused, {where}", stem, "SphereConv2d cosine (fused epilogue)", 1.25)
+      for where, stem in ((_CONV_B32, "sphereconv_fwd_bwd"), (_CONV_B128, "sphereconv_fwd_bwd_b128_c128_s32"),
+                          (f"{_CONV_B128}, bf16", "sphereconv_fwd_bwd_b128_c128_s32_bf16"))),
+    Goal(29, f"SphereConv cosine fused, channels-last, {_CONV_B128}, bf16", "sphereconv_fwd_bwd_b128_c128_s32_bf16",
+         "SphereConv2d cosine (fused epilogue, channels-last)", 1.25),
+    *(Goal(29, f"SCS fixed p, q fused, {where}", stem, "SCS fixed p, q (fused epilogue)", 1.25)
+      for where, stem in ((_CONV_B32, "scs_fwd_bwd"), (_CONV_B128, "scs_fwd_bwd_b128_c128_s32"))),
+    *(Goal(29, f"TanhConv x cosine fused, learned rho, {where}", stem, "TanhConv cosine, learned rho (fused epilogue)",
+           1.4) for where, stem in ((_CONV_B32, "decoupled_fwd_bwd"), (_CONV_B128, "decoupled_fwd_bwd_b128_c128_s32"))),
     *(Goal(29, f"{head}, B=512, C=100,000", "margin_heads_fwd_bwd_b512_c100000", head, 1.1)
       for head in ("A-Softmax m=4 (annealed)", "L-Softmax m=4", "CosFace", "ArcFace")),
     *(Goal(29, f"{head}, B=256, C=10,000", "margin_heads_fwd_bwd", head, 1.5)
