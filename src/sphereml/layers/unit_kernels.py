@@ -100,7 +100,7 @@ def unit_kernels_backward(grad: Tensor, unit: Tensor, inv: Tensor, active: Tenso
     unit, inv, active = unit.contiguous(), inv.contiguous(), active.contiguous()
     out = torch.empty(unit.shape, dtype=unit.dtype, device=unit.device)
     kernels.backward_kernel[(cdiv(r, br),)](grad.contiguous(), unit, inv, active, out, r, d, BR=br, BD=bd,
-                                                   num_warps=warps)
+                                            num_warps=warps)
     return out
 
 

@@ -16,10 +16,10 @@ Note [box sums in a kernel]
     channels-last (Note [layouts in the kernels] in :mod:`sphereml.layers._layouts`); they run on CUDA tensors, and
     on CPU tensors under ``TRITON_INTERPRET=1`` (the tests, against the convolutions).  The sums are float32; the
     gradient's sum is formed in float32 and rounded once to x's dtype.  The node keeps the convolutions for other
-    inputs, under ``torch.func`` transforms (the operators have no batching rules), and in
-    a backward that is itself differentiated (``create_graph=True``: the gradient's kernel has no derivative); under
-    ``torch.func.grad`` the forward, which sees plain tensors, takes the sums' kernel and the backward the
-    convolutions, and under ``vmap`` both take the convolutions.
+    inputs, under ``torch.func`` transforms (the operators have no batching rules), and in a backward that is itself
+    differentiated (``create_graph=True``: the gradient's kernel has no derivative); under ``torch.func.grad`` the
+    forward, which sees plain tensors, takes the sums' kernel and the backward the convolutions, and under ``vmap``
+    both take the convolutions.
 """
 
 from __future__ import annotations
