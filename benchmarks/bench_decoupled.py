@@ -31,6 +31,18 @@ def _functional_row(rho: str, backend: str) -> str:
 FUSED_ROWS = tuple(_functional_row(rho, "fused") for rho in ("rho 1", "learned rho"))  # timed on CUDA only
 
 
+
+def _result_name(size) -> str:
+    b, c, side = size
+    return "decoupled_fwd_bwd" if size == SIZES[0] else f"decoupled_fwd_bwd_b{b}_c{c}_s{side}"
+
+
+def fused_result_rows() -> set[tuple[str, str]]:
+    """(result name, row) of each row timed through the fused epilogue on CUDA (``benchmarks/goals.py``'s are
+    checked against them)."""
+    return {(_result_name(size), row) for size in SIZES for row in FUSED_ROWS}
+
+
 def run(device: torch.device, sizes: list[tuple[int, int, int]] | None = None, repeats: int = 20) -> dict:
     results = {}
     for b, c, side in sizes or smoke_or(SIZES if device.type == "cuda" else SIZES[:1], [(2, 4, 8)]):
@@ -55,7 +67,7 @@ def run(device: torch.device, sizes: list[tuple[int, int, int]] | None = None, r
                 operators[_functional_row("learned rho", backend)] = \
                     lambda inp, b=backend: decoupled_conv2d(inp, learned.weight, padding=1, magnitude="tanh",
                                                             rho=learned.rho, backend=b)
-        name = "decoupled_fwd_bwd" if (b, c, side) == SIZES[0] else f"decoupled_fwd_bwd_b{b}_c{c}_s{side}"
+        name = _result_name((b, c, side))
         print(f"--- decoupled operators, B={b}, {c} -> {c} channels, {side}x{side}")
         results[name] = compare(name, forward_backward(operators, x, target), baseline="nn.Conv2d", device=device,
                                 repeats=repeats, extra={"batch": b, "channels": c, "size": side, "kernel": K})

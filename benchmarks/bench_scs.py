@@ -24,6 +24,18 @@ SIZES = [(32, 64, 32), (128, 128, 32)]  # (batch, channels, side); the second on
 FUSED_ROWS = ("SCS fixed p, q (fused epilogue)",)  # timed on CUDA only (benchmarks/goals.py names it)
 
 
+
+def _result_name(size) -> str:
+    b, c, side = size
+    return "scs_fwd_bwd" if size == SIZES[0] else f"scs_fwd_bwd_b{b}_c{c}_s{side}"
+
+
+def fused_result_rows() -> set[tuple[str, str]]:
+    """(result name, row) of each row timed through the fused epilogue on CUDA (``benchmarks/goals.py``'s are
+    checked against them)."""
+    return {(_result_name(size), row) for size in SIZES for row in FUSED_ROWS}
+
+
 def run(device: torch.device) -> dict:
     results = {}
     for b, c, side in smoke_or(SIZES if device.type == "cuda" else SIZES[:1], [(2, 4, 8)]):
@@ -40,7 +52,7 @@ def run(device: torch.device) -> dict:
         if device.type == "cuda":
             operators[FUSED_ROWS[0]] = lambda inp: patch_cosine2d(
                 inp, fixed.weight, padding=1, q=1e-3, power=2.0, backend="fused")
-        name = "scs_fwd_bwd" if (b, c, side) == SIZES[0] else f"scs_fwd_bwd_b{b}_c{c}_s{side}"
+        name = _result_name((b, c, side))
         print(f"--- sharpened cosine similarity, B={b}, {c} -> {c} channels, {side}x{side}")
         results[name] = compare(name, forward_backward(operators, x, target), baseline="nn.Conv2d", device=device,
                                 repeats=20, extra={"batch": b, "channels": c, "size": side, "kernel": K})

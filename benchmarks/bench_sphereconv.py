@@ -59,13 +59,31 @@ def _candidates(size, device: torch.device, dtype: torch.dtype | None) -> dict:
         if compiling(device) and size == COMPILED_SIZE and (dtype is None or "cosine" in label):
             operators[f"{label} (compiled)"] = torch.compile(layer)
     if device.type == "cuda":
-        for angular in ("cosine", "sigmoid") if dtype is None else ("cosine",):
+        for angular in _fused_angulars(dtype):
             operators[FUSED_ROWS[angular]] = lambda inp, a=angular: patch_cosine2d(
                 inp, conv.weight, padding=1, angular=a, k=0.3, backend="fused")
     if dtype is None:
         operators["unfold cosine (port style)"] = lambda inp: sphere_conv2d_reference(inp, conv.weight, padding=1)
     candidates = forward_backward(operators, x, target, dtype)
     return {**candidates, **_channels_last(conv, x, target, dtype)} if device.type == "cuda" else candidates
+
+
+def _fused_angulars(dtype: torch.dtype | None) -> tuple[str, ...]:
+    return ("cosine", "sigmoid") if dtype is None else ("cosine",)
+
+
+def _result_name(size, dtype: torch.dtype | None) -> str:
+    b, c, side = size
+    if size == CPU_SIZES[0] and dtype is None:
+        return "sphereconv_fwd_bwd"
+    return f"sphereconv_fwd_bwd_b{b}_c{c}_s{side}" + ("_bf16" if dtype is not None else "")
+
+
+def fused_result_rows() -> set[tuple[str, str]]:
+    """(result name, row) of each row timed through the fused epilogue on CUDA (``benchmarks/goals.py``'s are
+    checked against them)."""
+    return {(_result_name(size, dtype), FUSED_ROWS[row]) for size in CUDA_SIZES for dtype in (None, torch.bfloat16)
+            for row in (*_fused_angulars(dtype), "channels-last")}
 
 
 def _channels_last(conv: torch.nn.Conv2d, x: torch.Tensor, target: torch.Tensor, dtype: torch.dtype | None) -> dict:
@@ -88,8 +106,7 @@ def run(device: torch.device) -> dict:
         for dtype in dtypes:
             b, c, side = size
             precision = "bf16 autocast" if dtype is not None else "float32"
-            name = "sphereconv_fwd_bwd" if size == CPU_SIZES[0] and dtype is None else \
-                f"sphereconv_fwd_bwd_b{b}_c{c}_s{side}" + ("_bf16" if dtype is not None else "")
+            name = _result_name(size, dtype)
             print(f"--- SphereConv2d, B={b}, {c} -> {c} channels, {side}x{side}, {precision}")
             results[name] = compare(name, _candidates(size, device, dtype), baseline="nn.Conv2d", device=device,
                                     repeats=30, extra={"batch": b, "channels": c, "size": side, "kernel": K,

@@ -210,13 +210,13 @@ def test_the_goals_report_reads_the_saved_results(tmp_path, monkeypatch):
     from benchmarks import bench_decoupled, bench_scs, bench_sphereconv
     from benchmarks.bench_margins import FUSED_ROWS
 
-    fused_layer_rows = {*bench_sphereconv.FUSED_ROWS.values(), *bench_scs.FUSED_ROWS, *bench_decoupled.FUSED_ROWS}
+    fused_layer_rows = set().union(*(m.fused_result_rows() for m in (bench_sphereconv, bench_scs, bench_decoupled)))
 
     for g in goals.GOALS:
         if g.candidate.removesuffix(" (fused)") in FUSED_ROWS and g.candidate.endswith(" (fused)"):
             continue  # a fused head's row: timed on CUDA only, and in no committed file until a GPU runs it
-        if "(fused epilogue" in g.candidate:  # a fused layer's row: timed on CUDA only, as its benchmark names it
-            assert g.candidate in fused_layer_rows, g.candidate
+        if "(fused epilogue" in g.candidate:  # a fused layer's row: timed on CUDA only, in the file its benchmark
+            assert (g.stem, g.candidate) in fused_layer_rows, (g.stem, g.candidate)  # writes it to
             continue
         saved = [REPO / "benchmarks" / "results" / f"{g.stem}-{device}.json" for device in ("cpu", "cuda")]
         saved = [json.loads(path.read_text())["seconds"] for path in saved if path.is_file()]

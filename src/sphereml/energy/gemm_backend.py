@@ -81,9 +81,9 @@ def energy_pair_sums(gram: Tensor, q: Tensor, sq: Tensor, start: int, s: float, 
 @energy_pair_sums.register_fake
 def _(gram, q, sq, start, s, eps, with_grad):
     bm, bn, _ = _kernels()[1].PAIR_BLOCKS
-    b, tiles = len(gram), -(-len(q) // bn)
+    b, tiles = len(gram), cdiv(len(q), bn)
     return (q.new_empty(b, tiles), q.new_empty(b, tiles if with_grad else 0),
-            q.new_empty(-(-b // bm), tiles if with_grad else 0, dtype=torch.int32))
+            q.new_empty(cdiv(b, bm), tiles if with_grad else 0, dtype=torch.int32))
 
 
 @custom_op("sphereml::energy_close_gradient", mutates_args=("rows",))

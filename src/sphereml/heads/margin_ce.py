@@ -208,7 +208,7 @@ def _triton_norms(weight, eps):
     weight = weight.contiguous()
     norm, inv, dinv = (torch.empty(c, dtype=torch.float32, device=weight.device) for _ in range(3))
     kernels.norm_kernel[(cdiv(c, br),)](weight, norm, inv, dinv, c, d, weight.stride(0), eps, BR=br, BD=bd,
-                                               num_warps=warps)
+                                        num_warps=warps)
     return norm, inv, dinv
 
 
