@@ -18,7 +18,7 @@ import torch
 from sphereml.layers.decoupled import DecoupledConv2d, decoupled_conv2d, decoupled_conv2d_reference
 from sphereml.timing import forward_backward
 
-from .harness import compare, compiling, smoke_or
+from .harness import compare, compiling, sized_name, smoke_or
 
 K = 3
 SIZES = [(32, 64, 32), (128, 128, 32)]  # (batch, channels, side); the second on CUDA only
@@ -31,16 +31,10 @@ def _functional_row(rho: str, backend: str) -> str:
 FUSED_ROWS = tuple(_functional_row(rho, "fused") for rho in ("rho 1", "learned rho"))  # timed on CUDA only
 
 
-
-def _result_name(size) -> str:
-    b, c, side = size
-    return "decoupled_fwd_bwd" if size == SIZES[0] else f"decoupled_fwd_bwd_b{b}_c{c}_s{side}"
-
-
 def fused_result_rows() -> set[tuple[str, str]]:
     """(result name, row) of each row timed through the fused epilogue on CUDA (``benchmarks/goals.py``'s are
     checked against them)."""
-    return {(_result_name(size), row) for size in SIZES for row in FUSED_ROWS}
+    return {(sized_name("decoupled_fwd_bwd", size, SIZES[0]), row) for size in SIZES for row in FUSED_ROWS}
 
 
 def run(device: torch.device, sizes: list[tuple[int, int, int]] | None = None, repeats: int = 20) -> dict:
@@ -67,7 +61,7 @@ def run(device: torch.device, sizes: list[tuple[int, int, int]] | None = None, r
                 operators[_functional_row("learned rho", backend)] = \
                     lambda inp, b=backend: decoupled_conv2d(inp, learned.weight, padding=1, magnitude="tanh",
                                                             rho=learned.rho, backend=b)
-        name = _result_name((b, c, side))
+        name = sized_name("decoupled_fwd_bwd", (b, c, side), SIZES[0])
         print(f"--- decoupled operators, B={b}, {c} -> {c} channels, {side}x{side}")
         results[name] = compare(name, forward_backward(operators, x, target), baseline="nn.Conv2d", device=device,
                                 repeats=repeats, extra={"batch": b, "channels": c, "size": side, "kernel": K})

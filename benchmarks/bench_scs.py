@@ -17,23 +17,17 @@ from sphereml.layers.patches import patch_cosine2d
 from sphereml.layers.scs import SharpenedCosineSimilarity2d, scs_conv2d_reference
 from sphereml.timing import forward_backward
 
-from .harness import compare, compiling, smoke_or
+from .harness import compare, compiling, sized_name, smoke_or
 
 K = 3
 SIZES = [(32, 64, 32), (128, 128, 32)]  # (batch, channels, side); the second on CUDA only
 FUSED_ROWS = ("SCS fixed p, q (fused epilogue)",)  # timed on CUDA only (benchmarks/goals.py names it)
 
 
-
-def _result_name(size) -> str:
-    b, c, side = size
-    return "scs_fwd_bwd" if size == SIZES[0] else f"scs_fwd_bwd_b{b}_c{c}_s{side}"
-
-
 def fused_result_rows() -> set[tuple[str, str]]:
     """(result name, row) of each row timed through the fused epilogue on CUDA (``benchmarks/goals.py``'s are
     checked against them)."""
-    return {(_result_name(size), row) for size in SIZES for row in FUSED_ROWS}
+    return {(sized_name("scs_fwd_bwd", size, SIZES[0]), row) for size in SIZES for row in FUSED_ROWS}
 
 
 def run(device: torch.device) -> dict:
@@ -52,7 +46,7 @@ def run(device: torch.device) -> dict:
         if device.type == "cuda":
             operators[FUSED_ROWS[0]] = lambda inp: patch_cosine2d(
                 inp, fixed.weight, padding=1, q=1e-3, power=2.0, backend="fused")
-        name = _result_name((b, c, side))
+        name = sized_name("scs_fwd_bwd", (b, c, side), SIZES[0])
         print(f"--- sharpened cosine similarity, B={b}, {c} -> {c} channels, {side}x{side}")
         results[name] = compare(name, forward_backward(operators, x, target), baseline="nn.Conv2d", device=device,
                                 repeats=20, extra={"batch": b, "channels": c, "size": side, "kernel": K})

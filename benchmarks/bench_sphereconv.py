@@ -28,7 +28,7 @@ from sphereml.layers.patches import patch_cosine2d
 from sphereml.layers.sphereconv import SphereConv2d, sphere_conv2d_reference
 from sphereml.timing import forward_backward
 
-from .harness import compare, compiling, smoke_or
+from .harness import compare, compiling, sized_name, smoke_or
 
 K = 3
 CPU_SIZES = [(32, 64, 32)]  # (batch, channels, side)
@@ -73,10 +73,10 @@ def _fused_angulars(dtype: torch.dtype | None) -> tuple[str, ...]:
 
 
 def _result_name(size, dtype: torch.dtype | None) -> str:
+    if dtype is None:
+        return sized_name("sphereconv_fwd_bwd", size, CPU_SIZES[0])
     b, c, side = size
-    if size == CPU_SIZES[0] and dtype is None:
-        return "sphereconv_fwd_bwd"
-    return f"sphereconv_fwd_bwd_b{b}_c{c}_s{side}" + ("_bf16" if dtype is not None else "")
+    return f"sphereconv_fwd_bwd_b{b}_c{c}_s{side}_bf16"
 
 
 def fused_result_rows() -> set[tuple[str, str]]:

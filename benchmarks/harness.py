@@ -12,8 +12,8 @@ from sphereml.launches import count_ops
 from sphereml.timing import compare as compare_round_robin
 from sphereml.timing import device_name, environment, peak_memory, save_result, synchronizer, training_step
 
-__all__ = ["RESULTS", "SMOKE", "smoke_or", "compiling", "compile_counters", "first_call", "compare", "device_name",
-           "environment", "save", "training_step"]
+__all__ = ["RESULTS", "SMOKE", "smoke_or", "sized_name", "compiling", "compile_counters", "first_call", "compare",
+           "device_name", "environment", "save", "training_step"]
 
 # SPHEREML_BENCH_RESULTS sends the JSON elsewhere (the smoke test writes to a temporary folder).
 RESULTS = Path(os.environ.get("SPHEREML_BENCH_RESULTS") or Path(__file__).resolve().parent / "results")
@@ -25,6 +25,13 @@ SMOKE = os.environ.get("SPHEREML_BENCH_SMOKE", "0") == "1"
 def smoke_or(full, tiny):
     """``tiny`` in a smoke run, ``full`` otherwise."""
     return tiny if SMOKE else full
+
+
+
+def sized_name(stem: str, size: tuple[int, int, int], first: tuple[int, int, int]) -> str:
+    """A layer benchmark's result name: ``stem`` for its first (batch, channels, side) size, else the size appended."""
+    b, c, side = size
+    return stem if size == first else f"{stem}_b{b}_c{c}_s{side}"
 
 
 def compiling(device: torch.device) -> bool:
