@@ -4,9 +4,9 @@ Candidates: ``nn.Conv2d`` (the baseline), SCS with fixed p and q, SCS with learn
 the unfold formulation of public ports (:func:`~sphereml.layers.scs.scs_conv2d_reference`), and on CUDA each SCS
 layer under ``torch.compile``.  B=32, 64 -> 64 channels, 32x32, 3x3 (and B=128, 128 channels on CUDA).
 Goal: at most 1.5x Conv2d on the CPU.  The layers take the reference nodes (the default); on CUDA
-"SCS fixed p, q (fused epilogue)" times the same layer through the fused Triton epilogue
-(:mod:`sphereml.layers.patch_epilogue`, ``backend="fused"``).  Result files of 2026-11-27 were measured when the
-layers took the fused epilogue on CUDA (their ``note`` says so).
+"SCS fixed p, q (fused epilogue)" and "SCS learned p, q (fused epilogue)" time the same layers through the fused
+Triton epilogue (:mod:`sphereml.layers.patch_epilogue`, ``backend="fused"``).  Result files of 2026-11-27 were
+measured when the layers took the fused epilogue on CUDA (their ``note`` says so).
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ from .harness import compare, compiling, sized_name, smoke_or
 
 K = 3
 SIZES = [(32, 64, 32), (128, 128, 32)]  # (batch, channels, side); the second on CUDA only
-FUSED_ROWS = ("SCS fixed p, q (fused epilogue)",)  # timed on CUDA only (benchmarks/goals.py names it)
+FUSED_ROWS = ("SCS fixed p, q (fused epilogue)", "SCS learned p, q (fused epilogue)")  # timed on CUDA only
+# (benchmarks/goals.py names them)
 
 
 def fused_result_rows() -> set[tuple[str, str]]:
@@ -46,6 +47,8 @@ def run(device: torch.device) -> dict:
         if device.type == "cuda":
             operators[FUSED_ROWS[0]] = lambda inp: patch_cosine2d(
                 inp, fixed.weight, padding=1, q=1e-3, power=2.0, backend="fused")
+            operators[FUSED_ROWS[1]] = lambda inp: patch_cosine2d(  # the layer's forward, fused
+                inp, learned.weight, padding=1, q=learned.q, power=learned._p(), backend="fused")
         name = sized_name("scs_fwd_bwd", (b, c, side), SIZES[0])
         print(f"--- sharpened cosine similarity, B={b}, {c} -> {c} channels, {side}x{side}")
         results[name] = compare(name, forward_backward(operators, x, target), baseline="nn.Conv2d", device=device,
@@ -81,16 +84,17 @@ def compile_check(arch: int = 90) -> list[dict]:
             for layout, (epilogue, q_mode, param, magnitude) in layouts + (broadcast if name == "backward" else []):
                 code, r_mode = magnitude if isinstance(magnitude, tuple) else (0, 0)
                 types = {"INNER": f"*{dtype}", "SQ": "*fp32", "Q": "*fp32", "A": "*fp32", "MAG": "*fp32",
-                         "R": "*fp32", "GRAD_MAG": "*fp32", "GRAD_R": "*fp32", "OUT": f"*{dtype}",
-                         "GRAD_Y": f"*{dtype}", "GRAD_INNER": f"*{dtype}", "GRAD_M": "*fp32", "GRAD_A": "*fp32",
+                         "R": "*fp32", "GRAD_MAG": "*fp32", "GRAD_SCALAR": "*fp32", "OUT": f"*{dtype}",
+                         "GRAD_Y": f"*{dtype}", "GRAD_INNER": f"*{dtype}", "GRAD_SQ": "*fp32", "GRAD_A": "*fp32",
                          "q_value": "fp32", "a_value": "fp32", "r_value": "fp32", "alpha": "fp32", "beta": "fp32",
                          "G": "i32", "CG": "i32", "P": "i32", "C_OUT": "i32", "eps2": "fp32",
                          **{stride: "i32" for stride in ("SB", "SC", "SP")}}
                 constants = {"Q_MODE": q_mode, "EPILOGUE": kernels.EPILOGUES[epilogue], "PARAM": param,
                              "HAS_MAG": magnitude == "tensor", "MAGNITUDE": code, "R_MODE": r_mode, "BC": bc, "BP": bp,
                              **unit_strides[layout]}
-                if name == "backward":  # dL/dm for a learned q (a tensor), dL/dsq otherwise, as the layers ask
-                    constants.update(OF_SQ=q_mode != 2, R_GRAD=r_mode == 2, GRAD_BROADCAST=layout == "broadcast dL/dy")
+                if name == "backward":  # dL/dq for a q tensor (learned), dL/dr for a learned radius
+                    scalar_grad = 1 if q_mode == 2 else 2 if r_mode == 2 else 0
+                    constants.update(SCALAR_GRAD=scalar_grad, GRAD_BROADCAST=layout == "broadcast dL/dy")
                 row = {"kernel": name, "dtype": dtype, "layout": layout, "epilogue": epilogue, "q_mode": q_mode,
                        "param": param, "magnitude": str(magnitude),
                        **compile_kernel(kernel, types, constants, warps, 2, arch)}

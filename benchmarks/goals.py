@@ -52,6 +52,8 @@ GOALS = (
          "SphereConv2d cosine (fused epilogue, channels-last)", 1.25),
     *(Goal(29, f"SCS fixed p, q fused, {where}", stem, "SCS fixed p, q (fused epilogue)", 1.25)
       for where, stem in ((_CONV_B32, "scs_fwd_bwd"), (_CONV_B128, "scs_fwd_bwd_b128_c128_s32"))),
+    *(Goal(29, f"SCS learned p, q fused, {where}", stem, "SCS learned p, q (fused epilogue)", 1.4)
+      for where, stem in ((_CONV_B32, "scs_fwd_bwd"), (_CONV_B128, "scs_fwd_bwd_b128_c128_s32"))),
     *(Goal(29, f"TanhConv x cosine fused, learned rho, {where}", stem, "TanhConv cosine, learned rho (fused epilogue)",
            1.4) for where, stem in ((_CONV_B32, "decoupled_fwd_bwd"), (_CONV_B128, "decoupled_fwd_bwd_b128_c128_s32"))),
     *(Goal(29, f"{head}, B=512, C=100,000", "margin_heads_fwd_bwd_b512_c100000", head, 1.1)

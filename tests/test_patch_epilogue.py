@@ -7,6 +7,7 @@ largest entry on values, 5e-5 on gradients (p < 1 makes d|c|^p/dc large near c =
 polynomial with error <= 2e-8).
 """
 
+import contextlib
 import os
 
 import pytest
@@ -37,12 +38,26 @@ def _run(backend, x, w, q, p, dtype, device, k=None, **conv):
     return [out.detach()] + [v.grad for v in (xx, ww, qq, pp, kk) if torch.is_tensor(v)]
 
 
+@contextlib.contextmanager
+def _empty_as_nan():
+    """Every new uninitialised tensor filled with NaN (``torch.use_deterministic_algorithms``), so that an output
+    element a kernel leaves unwritten shows in the results."""
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before)
+
+
 SEEDED = torch.Generator().manual_seed(9)
 CASES = {
     "cosine": dict(q=None, p=None),
     "q number, groups 2": dict(q=0.01, p=None, groups=2),
     "q tensor, p number": dict(q=torch.tensor(0.05), p=2.0),
     "q number, p per channel, groups 2": dict(q=1e-3, p=torch.rand(10, 1, 1, generator=SEEDED) + 0.5, groups=2),
+    "q tensor, p per channel, groups 2, stride 2": dict(q=torch.tensor(0.03), p=torch.rand(10, 1, 1, generator=SEEDED)
+                                                        + 0.5, groups=2, stride=2),
     "p 0-d tensor, stride 2": dict(q=None, p=torch.tensor(1.7), stride=2),
     "same padding, dilation 2": dict(q=1e-3, p=3.0, padding="same", dilation=2),
     "linear": dict(q=None, p=None, angular="linear"),
@@ -65,7 +80,8 @@ def test_fused_epilogue_matches_float64_reference(case):
     def as64(v):
         return v.double() if torch.is_tensor(v) else v
     ref = _run("reference", x, w, as64(q), as64(p), torch.float64, "cpu", k=as64(k), **spec)
-    fused = _run("fused", x, w, q, p, torch.float32, DEVICE, k=k, **spec)
+    with _empty_as_nan():
+        fused = _run("fused", x, w, q, p, torch.float32, DEVICE, k=k, **spec)
     assert len(fused) == len(ref)
     for i, (a, b) in enumerate(zip(ref, fused)):
         tolerance = 2e-6 if i == 0 else 5e-5
@@ -104,9 +120,9 @@ def test_fused_sigmoid_keeps_its_accuracy_for_a_large_k(k):
 
 @pytest.mark.parametrize("q", [None, 0.01, torch.tensor(0.01)], ids=["no q", "q number", "q learned"])
 def test_squared_norms_gradient_under_and_over_the_floor(q):
-    """dL/dsq = dL/dm / 2n where sq >= eps^2 and 0 under the floor: written by the backward kernel, or (a learned q,
-    which needs dL/dm itself) formed outside it; against autograd through sqrt(max(sq, eps^2)) in float64.  A layer
-    meets the floor at patches shorter than eps but not zero (a zero patch has dL/dm = 0 either way)."""
+    """dL/dsq = dL/dm / 2n where sq >= eps^2 and 0 under the floor, and a learned q's dL/dq = sum of dL/dm, both
+    written by the backward kernel; against autograd through sqrt(max(sq, eps^2)) in float64.  A layer meets the
+    floor at patches shorter than eps but not zero (a zero patch has dL/dm = 0 either way)."""
     from sphereml.layers.patch_epilogue import fused_epilogue
 
     g, eps = torch.Generator().manual_seed(11), 1e-3
@@ -227,11 +243,22 @@ def test_operators_pass_opcheck():
     mag = (torch.rand(sq.shape, generator=g) + 0.5).to(DEVICE)
     torch.library.opcheck(ops.patch_epilogue, (inner, sq, None, None, None, None, mag, *no_h, 0, 2, 1e-6))
     torch.library.opcheck(ops.patch_epilogue_backward, (grad, inner, sq, None, None, None, None, mag, *no_h, 0, 2,
-                                                        1e-6, True, False))
+                                                        1e-6, 0))
     torch.library.opcheck(ops.patch_epilogue_backward, (grad, inner, sq, q.to(DEVICE), None, None, 2.0, None, *no_h,
-                                                        1, 2, 1e-6, False, False))
+                                                        1, 2, 1e-6, 1))
     torch.library.opcheck(ops.patch_epilogue_backward, (grad, inner, sq, None, None, None, None, None, *tanh, 0, 2,
-                                                        1e-6, True, True))
+                                                        1e-6, 2))
+
+
+def test_a_parameter_tensor_for_an_epilogue_without_one_is_refused():
+    """The kernels read a tensor parameter (and write its partial sums) only for sharpening and the sigmoid."""
+    ops = torch.ops.sphereml
+    inner, sq = torch.randn(1, 2, 3, 3).to(DEVICE), (torch.rand(1, 1, 3, 3) + 0.5).to(DEVICE)
+    a, no_h = torch.ones(2).to(DEVICE), (0, 0.0, 0.0, None, None)
+    with pytest.raises(ValueError, match="needs the epilogue 'sharpen' or 'sigmoid', got 'cosine'"):
+        ops.patch_epilogue(inner, sq, None, None, a, None, None, *no_h, 0, 1, 1e-6)
+    with pytest.raises(ValueError, match="got 'sqcosine'"):
+        ops.patch_epilogue_backward(torch.ones_like(inner), inner, sq, None, None, a, None, None, *no_h, 4, 1, 1e-6, 0)
 
 
 def test_backend_errors_are_named():

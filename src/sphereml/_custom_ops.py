@@ -46,7 +46,7 @@ def plain_eager(args: Iterable) -> bool:
             or torch._C._are_functorch_transforms_active() or torch._C._len_torch_dispatch_stack()
             or torch._C._is_torch_function_mode_enabled() or torch._C._get_tracing_state() is not None):
         return False
-    return all(type(a) in _PLAIN_TYPES for a in args)
+    return _PLAIN_TYPES.issuperset(map(type, args))
 
 
 class Operator:

@@ -32,6 +32,8 @@ Note [energy by cuBLAS products]
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor
 
@@ -51,6 +53,7 @@ def block_rows(m: int, budget: int = BLOCK_BUDGET) -> int:
     return max(1, min(m, budget // max(m, 1)))
 
 
+@functools.cache  # one import: through the import machinery each launch paid about 1 µs
 def _kernels():
     import triton
 

@@ -55,6 +55,7 @@ which is how the test suite checks them against the dense reference.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -125,6 +126,7 @@ def matmul_precision() -> str:
     return PRECISIONS[torch.get_float32_matmul_precision()]
 
 
+@functools.cache  # one import: through the import machinery each launch paid about 1 µs
 def _kernels():
     """Import the kernels on first use (see :mod:`sphereml.energy._triton_kernels`)."""
     import triton

@@ -38,6 +38,8 @@ Only B values change, so the head computes t_b itself (O(B) work), and :func:`ma
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -196,6 +198,7 @@ def _(raw, inv, labels, lse, row_scale, label_grad, has_inv, has_label_grad, sca
     return raw.new_empty(raw.shape), raw.new_empty(raw.shape[1] if has_inv else 0, dtype=_accumulation_dtype(raw))
 
 
+@functools.cache  # one import: through the import machinery each launch paid about 1 µs
 def _kernels():
     from . import _margin_kernels
 

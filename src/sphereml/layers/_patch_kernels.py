@@ -20,7 +20,7 @@ decoupled operators (thesis eq. 4.3), whose gradient dL/dMAG = sum_j dL/dy_j f(c
 With ``MAGNITUDE`` k > 0 (no q) the kernels evaluate that h themselves from n: the k-th of
 ``sphereml.layers.magnitudes.MAGNITUDES`` (sphere, ball, tanh, linear, seg, log, mix; eqs. 4.4-4.10) with the
 numbers alpha and beta and the radius r (``R_MODE`` 1 a number, 2 a 0-d tensor), and the backward adds
-dL/dh dh/dn to dL/dn and, with ``R_GRAD``, writes each program's sum of dL/dh dh/dr.  Their derivatives are those
+dL/dh dh/dn to dL/dn and, with ``SCALAR_GRAD`` 2, writes each program's sum of dL/dh dh/dr.  Their derivatives are those
 of :func:`~sphereml.layers.magnitudes.magnitude_function`'s operations: ball's clamp passes the gradient at n = r,
 seg's branch n <= r takes alpha.
 The derivatives follow the reference nodes exactly: d|c|^a/dc = a |c|^a / max(|c|, 1e-6) (Note [sharpening
@@ -34,10 +34,10 @@ float32; outputs take INNER's dtype.
   INNER, one write of y.
 * ``backward_kernel``: program (b g, position block), also a 1-D grid, walks over the group's channels: from
   dL/dy it writes dL/dINNER = dL/dc / m (the clamp passes the gradient, as in ``_DivideByPatchNorm``), and
-  dL/dm = -sum_j dL/dc_j INNER_j / m^2 per position (Tensor[B, G, P]), or with ``OF_SQ`` the squared norms' own
-  dL/dSQ = dL/dm / 2n (0 where SQ < eps^2, as the floor passes no gradient), which saves the caller six operations
-  (a learned q needs dL/dm itself); with ``PARAM`` 2 also the partial sums
-  over its positions of dL/da_j, one row per sample and position block (no atomics).
+  the squared norms' dL/dSQ = dL/dm / 2n per position (Tensor[B, G, P]; 0 where SQ < eps^2, as the floor passes
+  no gradient), from dL/dm = -sum_j dL/dc_j INNER_j / m^2; with ``SCALAR_GRAD`` 1 (a learned q, dm/dq = 1) also
+  each program's sum of dL/dm, so that dL/dq is one sum of those (Tensor[programs]); with ``PARAM`` 2 the partial
+  sums over its positions of dL/da_j, one row per sample and position block (no atomics).
 """
 
 import triton
@@ -212,13 +212,13 @@ def forward_kernel(INNER, SQ, Q, A, MAG, R, OUT, q_value, a_value, r_value, alph
 
 
 @triton.jit
-def backward_kernel(INNER, SQ, Q, A, MAG, R, GRAD_Y, GRAD_INNER, GRAD_M, GRAD_A, GRAD_MAG, GRAD_R, q_value, a_value,
-                    r_value, alpha, beta, G, CG, P, C_OUT, SB, SC, SP, eps2, Q_MODE: tl.constexpr,
+def backward_kernel(INNER, SQ, Q, A, MAG, R, GRAD_Y, GRAD_INNER, GRAD_SQ, GRAD_A, GRAD_MAG, GRAD_SCALAR, q_value,
+                    a_value, r_value, alpha, beta, G, CG, P, C_OUT, SB, SC, SP, eps2, Q_MODE: tl.constexpr,
                     EPILOGUE: tl.constexpr, PARAM: tl.constexpr, HAS_MAG: tl.constexpr, MAGNITUDE: tl.constexpr,
-                    R_MODE: tl.constexpr, R_GRAD: tl.constexpr, OF_SQ: tl.constexpr, GRAD_BROADCAST: tl.constexpr,
-                    BC: tl.constexpr, BP: tl.constexpr):
-    """dL/dINNER on every channel of the group, dL/dm per position (dL/dSQ with ``OF_SQ``) and dL/da partial sums,
-    for BP positions.
+                    R_MODE: tl.constexpr, SCALAR_GRAD: tl.constexpr, GRAD_BROADCAST: tl.constexpr, BC: tl.constexpr,
+                    BP: tl.constexpr):
+    """dL/dINNER on every channel of the group, dL/dSQ per position, dL/da partial sums and, with ``SCALAR_GRAD``
+    1 or 2, this program's share of dL/dq or dL/dr, for BP positions.
 
     A 1-D grid over (b g, position block); the dL/da partial sums of sample b and position block go to row
     b * blocks + block (the groups write disjoint columns of it)."""
@@ -261,10 +261,11 @@ def backward_kernel(INNER, SQ, Q, A, MAG, R, GRAD_Y, GRAD_INNER, GRAD_M, GRAD_A,
     grad_m = -acc / (m * m)
     if MAGNITUDE != 0:  # m = n: h's share of dL/dn
         grad_m += acc_mag * dh_dn
-    if R_GRAD:  # this program's share of dL/dr
-        tl.store(GRAD_R + pid, tl.sum(acc_mag * dh_dr, axis=0))
-    if OF_SQ:  # dn/dSQ = 1 / 2n above the floor, 0 under it
-        grad_m = grad_m * tl.where(sq >= eps2, 0.5 / n, 0.0)
-    tl.store(GRAD_M + bg.to(tl.int64) * P + pos, grad_m, mask=pmask)
+    if SCALAR_GRAD == 1:  # this program's share of dL/dq = sum of dL/dm
+        tl.store(GRAD_SCALAR + pid, tl.sum(tl.where(pmask, grad_m, 0.0), axis=0))
+    elif SCALAR_GRAD == 2:  # of dL/dr
+        tl.store(GRAD_SCALAR + pid, tl.sum(acc_mag * dh_dr, axis=0))
+    grad_sq = grad_m * tl.where(sq >= eps2, 0.5 / n, 0.0)  # dn/dSQ = 1 / 2n above the floor, 0 under it
+    tl.store(GRAD_SQ + bg.to(tl.int64) * P + pos, grad_sq, mask=pmask)
     if HAS_MAG:
         tl.store(GRAD_MAG + bg.to(tl.int64) * P + pos, acc_mag, mask=pmask)

@@ -8,9 +8,9 @@ Here the squared patch norms come from one depthwise convolution
 :mod:`~sphereml.layers.patches`; on a GPU from one Triton kernel, Note [box sums in a kernel] in
 :mod:`~sphereml.layers.window_sums`), and then one Triton kernel reads the inner products once
 and writes the output, and one backward kernel reads them and dL/dy once and writes dL/d(inner products),
-dL/d(squared norms) per position (dL/dm, m the divided norm, where a learned q needs it; autograd carries it on
-to x through :func:`~sphereml.layers.patch_norms.squared_patch_norms`) and
-the partial sums of dL/d(parameter) (:mod:`sphereml.layers._patch_kernels`, with the formulas).  The kernels are the
+dL/d(squared norms) per position (autograd carries it on to x through
+:func:`~sphereml.layers.patch_norms.squared_patch_norms`), and the partial sums of dL/d(parameter) and of dL/dq or
+dL/dr, each summed by one reduction (:mod:`sphereml.layers._patch_kernels`, with the formulas).  The kernels are the
 custom operators ``sphereml::patch_epilogue`` and ``sphereml::patch_epilogue_backward``, so ``torch.compile``
 traces the layer with ``fullgraph=True``.  They read the inner products in NCHW or channels-last where they lie and
 write y and dL/d(inner products) in the same layout (Note [layouts in the kernels] in
@@ -20,6 +20,8 @@ They run on CUDA tensors, and on CPU tensors under ``TRITON_INTERPRET=1`` (the t
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 from torch import Tensor
@@ -52,16 +54,24 @@ def _slot(tensor: Tensor | None, number: float | None, placeholder: Tensor, defa
     return (placeholder, default, 0) if number is None else (placeholder, number, 1)
 
 
-def _launch(kind: str, inner: Tensor, sq: Tensor, q, q_value, a, a_value, mag, h: tuple, epilogue: int,
-            groups: int, eps: float, grad: Tensor | None = None, of_sq: bool = False, r_grad: bool = False):
-    """``h``: (the kernels' MAGNITUDE number, alpha, beta, radius tensor or None, radius number or None)."""
-    from . import _patch_kernels as kernels
+@functools.cache  # one import: through the import machinery each launch paid about 1 µs
+def _kernels():
+    from . import _patch_kernels
+    return _patch_kernels
 
+
+def _launch(kind: str, inner: Tensor, sq: Tensor, q, q_value, a, a_value, mag, h: tuple, epilogue: int,
+            groups: int, eps: float, grad: Tensor | None = None, scalar_grad: int = 0):
+    """``h``: (the kernels' MAGNITUDE number, alpha, beta, radius tensor or None, radius number or None);
+    ``scalar_grad``: the kernels' SCALAR_GRAD (1 dL/dq, 2 dL/dr, 0 neither)."""
+    kernels = _kernels()
     (b, co, ho, wo), placeholder = inner.shape, sq.new_empty(1)
     inner = densified(inner)  # NCHW or channels-last, read where it lies; OUT and dL/dINNER take its strides
     code, alpha, beta, r, r_value = h
     if code and (mag is not None or q is not None or q_value is not None):
         raise ValueError("the kernels evaluate h (MAGNITUDE) without a magnitude tensor and without q")
+    if a is not None and EPILOGUES[epilogue] not in ("sharpen", "sigmoid"):  # the others have no parameter
+        raise ValueError(f"a parameter tensor needs the epilogue 'sharpen' or 'sigmoid', got {EPILOGUES[epilogue]!r}")
     q_slot, a_slot = _slot(q, q_value, placeholder, 0.0), _slot(a, a_value, placeholder, 1.0)
     r_slot = _slot(r, r_value, placeholder, 1.0)
     modes = {"Q_MODE": q_slot[2], "EPILOGUE": epilogue, "PARAM": a_slot[2], "HAS_MAG": mag is not None,
@@ -81,18 +91,19 @@ def _launch(kind: str, inner: Tensor, sq: Tensor, q, q_value, a, a_value, mag, h
     bc, bp, warps = kernels.BACKWARD_BLOCKS
     check_tile_span(strides, bc, bp)
     blocks = cdiv(ho * wo, bp)
-    grad_inner, grad_m = torch.empty_like(inner), torch.empty_like(sq)
+    grad_inner, grad_sq = torch.empty_like(inner), torch.empty_like(sq)
     broadcast = not any(grad.stride())  # one value for all: the gradient of a .sum()
     if not (broadcast or same_strides(grad, inner)):  # dL/dy in another layout than y's: a copy in y's
         grad = torch.empty_like(inner).copy_(grad)
-    partial = torch.zeros(b * blocks if a is not None else 1, co, device=sq.device)
+    # every row of the partial sums is written (no zeros: a fill is a launch of its own on a GPU)
+    partial = sq.new_empty(b * blocks, co) if a is not None else placeholder
     grad_mag = torch.empty_like(sq) if mag is not None else placeholder
-    grad_r = sq.new_empty(b * groups * blocks if r_grad else 1)
+    grad_scalar = sq.new_empty(b * groups * blocks) if scalar_grad else placeholder
     kernels.backward_kernel[(b * groups * blocks,)](
-        *pointers, grad, grad_inner, grad_m, partial, grad_mag, grad_r, *numbers, *sizes, co, *strides, eps * eps,
-        **modes, R_GRAD=r_grad, OF_SQ=of_sq, GRAD_BROADCAST=broadcast, BC=bc, BP=bp, num_warps=warps)
-    return (grad_inner, grad_m, partial.sum(0) if a is not None else partial.new_empty(0),
-            grad_mag if mag is not None else sq.new_empty(0), grad_r.sum() if r_grad else sq.new_empty(0))
+        *pointers, grad, grad_inner, grad_sq, partial, grad_mag, grad_scalar, *numbers, *sizes, co, *strides,
+        eps * eps, **modes, SCALAR_GRAD=scalar_grad, GRAD_BROADCAST=broadcast, BC=bc, BP=bp, num_warps=warps)
+    return (grad_inner, grad_sq, partial.sum(0) if a is not None else sq.new_empty(0),
+            grad_mag if mag is not None else sq.new_empty(0), grad_scalar.sum() if scalar_grad else sq.new_empty(0))
 
 
 @custom_op("sphereml::patch_epilogue", mutates_args=())
@@ -114,21 +125,21 @@ def _(inner, sq, q, q_value, a, a_value, mag, h_code, h_alpha, h_beta, r, r_valu
 def patch_epilogue_backward(grad: Tensor, inner: Tensor, sq: Tensor, q: Tensor | None, q_value: float | None,
                             a: Tensor | None, a_value: float | None, mag: Tensor | None, h_code: int,
                             h_alpha: float, h_beta: float, r: Tensor | None, r_value: float | None, epilogue: int,
-                            groups: int, eps: float, of_sq: bool, r_grad: bool
+                            groups: int, eps: float, scalar_grad: int
                             ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """(dL/dinner, dL/dm (dL/dsq with ``of_sq``; h's share included): Tensor[B, G, H', W'], dL/da: Tensor[C_out],
-    dL/dmag: Tensor[B, G, H', W'], dL/dr: a 0-d tensor with ``r_grad``; the last three empty without a tensor a,
-    mag or ``r_grad``): one kernel."""
+    """(dL/dinner, dL/dsq (h's share included): Tensor[B, G, H', W'], dL/da: Tensor[C_out], dL/dmag:
+    Tensor[B, G, H', W'], dL/dq (``scalar_grad`` 1) or dL/dr (2): a 0-d tensor; the last three empty without a
+    tensor a, mag or ``scalar_grad``): one kernel, and a sum for each of dL/da, dL/dq and dL/dr."""
     h = (h_code, h_alpha, h_beta, r, r_value)
-    return _launch("backward", inner, sq, q, q_value, a, a_value, mag, h, epilogue, groups, eps, grad, of_sq, r_grad)
+    return _launch("backward", inner, sq, q, q_value, a, a_value, mag, h, epilogue, groups, eps, grad, scalar_grad)
 
 
 @patch_epilogue_backward.register_fake
 def _(grad, inner, sq, q, q_value, a, a_value, mag, h_code, h_alpha, h_beta, r, r_value, epilogue, groups, eps,
-      of_sq, r_grad):
+      scalar_grad):
     return (torch.empty_like(densified(inner)), sq.new_empty(sq.shape),
             sq.new_empty(inner.shape[1] if a is not None else 0), sq.new_empty(sq.shape if mag is not None else (0,)),
-            sq.new_empty(() if r_grad else (0,)))
+            sq.new_empty(() if scalar_grad else (0,)))
 
 
 def _split(value: Tensor | float | None) -> tuple[Tensor | None, float | None]:
@@ -140,8 +151,8 @@ class _FusedEpilogue(torch.autograd.Function):
 
     a: None, a number or Tensor[C_out]; mag: None or Tensor[B, G, H', W']; r: h's radius as a 0-d tensor, or None;
     h: (MAGNITUDE number, alpha, beta, radius number or None), (0, 0, 0, None) for no h.  dL/dsq = (dL/dn) / 2n
-    where n = sqrt(sq) is above eps (zero under the floor), from the backward kernel unless a learned q needs
-    dL/dm; autograd takes it on to x."""
+    where n = sqrt(sq) is above eps (zero under the floor), and dL/dq or dL/dr, from the backward kernel; autograd
+    takes dL/dsq on to x."""
 
     @staticmethod
     def forward(ctx, inner, sq, q, a, mag, r, h, epilogue, groups, eps):
@@ -158,18 +169,15 @@ class _FusedEpilogue(torch.autograd.Function):
         inner, sq, q, a, mag, r = ctx.saved_tensors
         h, epilogue, groups, eps = ctx.settings
         learned_q, learned_r = q is not None and ctx.needs_input_grad[2], r is not None and ctx.needs_input_grad[5]
-        grad_inner, grad_m, grad_a, grad_mag, grad_r = patch_epilogue_backward(
+        grad_inner, grad_sq, grad_a, grad_mag, grad_scalar = patch_epilogue_backward(
             grad, inner, sq, q, ctx.numbers[0], a, ctx.numbers[1], mag, *h[:3], r, h[3], epilogue, groups, eps,
-            not learned_q, learned_r)
-        grad_q = grad_m.sum().to(q.dtype) if learned_q else None
+            1 if learned_q else 2 if learned_r else 0)
+        grad_q = grad_scalar.to(q.dtype) if learned_q else None
+        grad_r = grad_scalar.to(r.dtype) if learned_r else None
         grad_a = grad_a.to(a.dtype) if a is not None and ctx.needs_input_grad[3] else None
         grad_mag = grad_mag.to(ctx.mag_dtype) if mag is not None and ctx.needs_input_grad[4] else None
-        grad_sq = None
-        if ctx.needs_input_grad[1]:
-            grad_sq = grad_m if not learned_q else grad_m.mul_(0.5).div_(sq.clamp_min(eps * eps).sqrt_()).mul_(
-                sq >= eps * eps)
-        return grad_inner, grad_sq, grad_q, grad_a, grad_mag, grad_r.to(r.dtype) if learned_r else None, None, None, \
-            None, None
+        grad_sq = grad_sq if ctx.needs_input_grad[1] else None
+        return grad_inner, grad_sq, grad_q, grad_a, grad_mag, grad_r, None, None, None, None
 
 
 def _magnitude_arguments(h: Magnitude | None, q, device) -> tuple[Tensor | None, tuple]:

@@ -60,9 +60,18 @@ __all__ = ["channel_energy", "times_channels", "box_sum", "box_sum_transpose", "
 _HALF = (torch.float16, torch.bfloat16)
 
 
+_AUTOCAST_AVAILABLE: dict[str, bool] = {}  # per device type: asked afresh, about 1 µs a call, five a fused step
+
+
 def _autocast_on(device: torch.device) -> bool:
     """Whether autocast is on for ``device`` (meta tensors have none)."""
-    return torch.amp.is_autocast_available(device.type) and torch.is_autocast_enabled(device.type)
+    kind = device.type
+    if torch.compiler.is_compiling():  # TorchDynamo traces the question itself, not a cache
+        return torch.amp.is_autocast_available(kind) and torch.is_autocast_enabled(kind)
+    available = _AUTOCAST_AVAILABLE.get(kind)
+    if available is None:
+        available = _AUTOCAST_AVAILABLE.setdefault(kind, torch.amp.is_autocast_available(kind))
+    return available and torch.is_autocast_enabled(kind)
 
 
 def _autocast_off(device: torch.device):
@@ -204,7 +213,8 @@ class _ConvAndSquaredNorms(Function):
             grad_x, grad_w, _ = torch.ops.aten.convolution_backward(
                 grad_inner, conv_x, conv_w, None, stride, padding, dilation, False, (0, 0), groups,
                 (need_x, need_w, False))
-            grad_x, grad_w = (g if g is None else g.to(t.dtype) for g, t in ((grad_x, x), (grad_w, weight)))
+            grad_x, grad_w = (g if g is None or g.dtype == t.dtype else g.to(t.dtype)
+                              for g, t in ((grad_x, x), (grad_w, weight)))
         return _add_norms_gradient(ctx, x, weight, box, grad_x, grad_sq), grad_w, None, None, None, None
 
 

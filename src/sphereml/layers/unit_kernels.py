@@ -19,6 +19,8 @@ Note [unit kernels in one pass]
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor
 
@@ -68,6 +70,7 @@ class _UnitKernels(Function):
         return ((g - unit * along) / denominator).view_as(grad), None
 
 
+@functools.cache  # one import: through the import machinery each launch paid about 1 µs
 def _kernels():
     from . import _unit_kernels
     return _unit_kernels

@@ -24,6 +24,8 @@ Note [box sums in a kernel]
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor
 
@@ -52,6 +54,7 @@ def _geometry(kernel_size, stride, padding, dilation) -> tuple[int, ...]:
     return (*kernel_size, *stride, *padding, *dilation)
 
 
+@functools.cache  # one import: through the import machinery each launch paid about 1 µs
 def _kernels():
     from . import _window_kernels
     return _window_kernels
