@@ -13,7 +13,7 @@ STAMP := $(VENV)/.sphereml-installed
 JB_FLAGS := -W --keep-going
 PYTEST_ARGS ?=
 
-.PHONY: setup torch-index test test-fast book book-smoke bench sync gpu-scripts clean
+.PHONY: setup torch-index test test-fast book book-smoke bench sm90 sync gpu-scripts clean
 setup: $(STAMP)
 
 # The venv is checked by its pip, not its python: one made without ensurepip (Debian without python3-venv) has a
@@ -60,6 +60,16 @@ book-smoke: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python -m benchmarks
+
+# Every Triton kernel compiled for an H100 here (benchmarks/sm90.py): registers and spills under the Triton of the GPU
+# boxes, installed into .cache/triton-VERSION (TRITON_VERSION=installed: the environment's own).
+TRITON_VERSION ?= 3.6.0
+sm90: $(STAMP)
+	@set -e; extra=; \
+	if [ "$(TRITON_VERSION)" != installed ]; then extra=.cache/triton-$(TRITON_VERSION); \
+	  test -d $$extra/triton-$(TRITON_VERSION).dist-info || \
+	    $(BIN)/pip install -q --no-deps --upgrade --target $$extra "triton==$(TRITON_VERSION)"; fi; \
+	TRITON_INTERPRET=0 PYTHONPATH=$$extra$${PYTHONPATH:+:$$PYTHONPATH} $(BIN)/python -m benchmarks.sm90
 
 # Regenerate the paired .ipynb from the MyST sources after editing notebooks/*.md.
 sync: $(STAMP)

@@ -3,18 +3,34 @@
 Triton 3.x compiles a ``@triton.jit`` function for any target through ``ASTSource`` and ``GPUTarget``, with
 the ``ptxas`` it ships (``ptxas-blackwell`` where present: the older one refuses the PTX versions that recent
 Triton emits).  Must run without ``TRITON_INTERPRET`` (interpreted kernels are not ``JITFunction``s).
+
+``python -m benchmarks.sm90`` compiles every kernel of the library in the forms its benchmarks list
+(:data:`CHECKS`) and prints a summary; it exits 1 when a kernel of fixed configuration spills, 2 when there is no
+``ptxas`` to count registers.  ``make sm90`` runs it
+under the Triton version of the GPU boxes (``TRITON_VERSION``, default 3.6.0), installed beside the environment:
+registers differ between versions, and the tests check them under the version installed here.
 """
 
 from __future__ import annotations
 
+import argparse
+import importlib
 import os
 import re
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
 
-__all__ = ["compile_kernel"]
+__all__ = ["CHECKS", "compile_kernel", "main"]
+
+# (benchmark module, its compile check, whether its rows are autotuning candidates): the tuner times every candidate
+# and may leave a spilling one aside, so their spills are reported, not failed
+CHECKS = (("bench_scs", "compile_check", False), ("bench_sphereconv", "compile_check", False),
+          ("bench_sphereconv", "window_compile_check", False), ("bench_margins", "compile_check", False),
+          ("bench_comhe", "compile_check", False), ("bench_energy", "gemm_compile_check", False),
+          ("bench_energy", "compile_check", True))
 
 
 def _ptxas() -> Path | None:
@@ -55,3 +71,32 @@ def compile_kernel(kernel, types: dict, constants: dict, num_warps: int, num_sta
         row["registers"] = int(registers[0]) if registers else None
         row["spill_store_bytes"] = int(spills[0]) if spills else None
     return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run every compile check of :data:`CHECKS`; print registers and spills per check; 1 when a fixed one spills,
+    2 without ``ptxas``."""
+    parser = argparse.ArgumentParser(description="every Triton kernel compiled for sm_<arch> on this machine")
+    parser.add_argument("--arch", type=int, default=90)
+    arch = parser.parse_args(argv).arch
+    import triton
+
+    if _ptxas() is None:
+        print(f"Triton {triton.__version__} ships no ptxas here: no registers to count", file=sys.stderr)
+        return 2
+
+    summary, failed = [], False
+    for module, function, tuned in CHECKS:
+        rows = getattr(importlib.import_module(f"benchmarks.{module}"), function)(arch)
+        spilling = [row for row in rows if row["spill_store_bytes"]]
+        failed |= bool(spilling) and not tuned
+        registers = [row["registers"] for row in rows]
+        note = " (autotuning candidates)" if tuned and spilling else ""
+        summary.append(f"{module + '.' + function:38s} {len(rows):3d} forms, registers {min(registers)}-"
+                       f"{max(registers)}, {len(spilling)} spilling{note}")
+    print(f"\nsm_{arch}, Triton {triton.__version__}:", *summary, sep="\n  ")
+    return int(failed)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -360,3 +360,41 @@ def test_the_launch_benchmarks_triton_kernel_adds_one(monkeypatch):
     for n in (1, 128, 300):
         x = torch.arange(n, dtype=torch.float32, device=device)
         assert torch.equal(kernels.add_one(x), x + 1)
+
+
+def test_the_sm90_summary_fails_only_on_a_fixed_kernel_that_spills(monkeypatch, capsys):
+    """``python -m benchmarks.sm90`` runs every compile check of CHECKS and exits 1 only when a kernel of fixed
+    configuration spills (autotuning candidates are reported: the tuner may leave them aside)."""
+    pytest.importorskip("triton")
+    import types
+
+    from benchmarks import sm90
+
+    def rows(*spills):
+        return lambda arch: [{"registers": 40 + 8 * i, "spill_store_bytes": b} for i, b in enumerate(spills)]
+
+    fake = types.ModuleType("benchmarks.bench_fake")
+    fake.fixed, fake.tuned, fake.spilling = rows(0, 0), rows(0, 24, 8), rows(None, 4)
+    monkeypatch.setitem(sys.modules, "benchmarks.bench_fake", fake)
+    monkeypatch.setattr(sm90, "_ptxas", lambda: Path("ptxas"))  # the fake checks compile nothing
+    monkeypatch.setattr(sm90, "CHECKS", (("bench_fake", "fixed", False), ("bench_fake", "tuned", True)))
+    assert sm90.main([]) == 0
+    out = capsys.readouterr().out
+    assert "bench_fake.fixed" in out and "2 forms, registers 40-48, 0 spilling\n" in out
+    assert "3 forms, registers 40-56, 2 spilling (autotuning candidates)" in out
+    monkeypatch.setattr(sm90, "CHECKS", (("bench_fake", "spilling", False),))
+    assert sm90.main(["--arch", "100"]) == 1
+    assert "sm_100, Triton" in capsys.readouterr().out
+    monkeypatch.setattr(sm90, "_ptxas", lambda: None)  # nothing counted is not a pass
+    assert sm90.main([]) == 2 and "no ptxas" in capsys.readouterr().err
+
+
+def test_the_sm90_summary_lists_every_compile_check():
+    import ast
+
+    from benchmarks import sm90
+
+    defined = {(path.stem, node.name) for path in (REPO / "benchmarks").glob("bench_*.py")
+               for node in ast.parse(path.read_text()).body
+               if isinstance(node, ast.FunctionDef) and node.name.endswith("compile_check")}
+    assert {(module, function) for module, function, _ in sm90.CHECKS} == defined

@@ -156,3 +156,27 @@ def test_auto_sends_only_tf32_float32_to_triton(matmul_precision):
     assert _backend_for(torch.zeros(n, 3, device="cuda"), n, "euclidean", "auto") == "gemm"  # no host sync
     assert _backend_for(torch.zeros(n, 3, device="cuda", dtype=torch.float64), n, "euclidean", "auto") == "tiled"
     assert _backend_for(torch.zeros(n, 3, device="cuda"), n, "angular", "auto") == "tiled"
+
+
+def test_launch_helpers_match_triton_and_import_once(tmp_path, monkeypatch):
+    """next_power_of_2 in Python's integers equals Triton's; lazy_module imports at its first call, then returns the
+    same module without the import machinery."""
+    import sys
+
+    import triton
+
+    from sphereml.energy.triton_backend import lazy_module, next_power_of_2
+
+    for n in [*range(0, 1100), 2**20 - 1, 2**20, 2**20 + 1, 3 * 2**31]:
+        assert next_power_of_2(n) == triton.next_power_of_2(n), n
+    missing = lazy_module("sphereml.no_such_module")  # defining it imports nothing
+    with pytest.raises(ModuleNotFoundError):
+        missing()
+    (tmp_path / "lazily_imported.py").write_text("LOADS = []\nLOADS.append(1)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setitem(sys.modules, "lazily_imported", None)  # removed again after the test
+    monkeypatch.delitem(sys.modules, "lazily_imported")
+    module = lazy_module("lazily_imported")
+    assert "lazily_imported" not in sys.modules
+    assert module() is sys.modules["lazily_imported"] and module() is module() and module().LOADS == [1]
+    assert module.cache_info().misses == 1

@@ -255,7 +255,7 @@ def test_a_parameter_tensor_for_an_epilogue_without_one_is_refused():
     ops = torch.ops.sphereml
     inner, sq = torch.randn(1, 2, 3, 3).to(DEVICE), (torch.rand(1, 1, 3, 3) + 0.5).to(DEVICE)
     a, no_h = torch.ones(2).to(DEVICE), (0, 0.0, 0.0, None, None)
-    with pytest.raises(ValueError, match="needs the epilogue 'sharpen' or 'sigmoid', got 'cosine'"):
+    with pytest.raises(ValueError, match="needs an epilogue of \\('sharpen', 'sigmoid'\\), got 'cosine'"):
         ops.patch_epilogue(inner, sq, None, None, a, None, None, *no_h, 0, 1, 1e-6)
     with pytest.raises(ValueError, match="got 'sqcosine'"):
         ops.patch_epilogue_backward(torch.ones_like(inner), inner, sq, None, None, a, None, None, *no_h, 4, 1, 1e-6, 0)

@@ -147,6 +147,56 @@ def test_estimate_command(tmp_path, capsys):
     assert text.endswith("this machine has NVIDIA H200: the estimate holds for NVIDIA H100")
 
 
+def test_estimate_of_a_chapter_without_a_recipe_and_from_the_recorded_runs(tmp_path, monkeypatch):
+    """A chapter with no source's recipe says that its paper profile is its gpu profile, timed by a full gpu run
+    alone; without --runs a local run comes first where it is a full gpu run, else the run the project recorded."""
+    runs, recorded = tmp_path / "_build" / "runs", tmp_path / runner.RECORDED_GPU_RUNS
+    monkeypatch.setattr(runner, "repo_root", lambda: tmp_path)
+    (tmp_path / "notebooks").mkdir()
+    for name in ("01_hypersphere", "02_large_margin"):
+        (tmp_path / "notebooks" / f"{name}.ipynb").write_text("{}")
+
+    def record(folder, name, **changes):
+        (folder / name).mkdir(parents=True, exist_ok=True)
+        (folder / name / "metrics.json").write_text(json.dumps(gpu_run(chapter=name, **changes)))
+
+    same = "01_hypersphere trains nothing with a source's recipe: its paper profile runs as its gpu profile"
+    assert runner.estimate_text("01_hypersphere") == same + " (no full gpu run here to time it)"
+    record(runs, "01_hypersphere", profile="cpu", elapsed_seconds=900.0)
+    assert runner.estimate_text("01_hypersphere") == same + " (no full gpu run here to time it)"
+    record(recorded, "01_hypersphere", restored={"seconds": 60.0})
+    assert runner.estimate_text("01_hypersphere") == (
+        same + ", which took 6.0 min on NVIDIA H100 (the project's recorded gpu run)")
+    record(runs, "01_hypersphere", elapsed_seconds=120.0)
+    assert runner.estimate_text("01_hypersphere").endswith("took 2.0 min on NVIDIA H100 (the gpu run)")
+    record(runs, "01_hypersphere", elapsed_seconds=120.0, runs_beside=3)  # a shared device's clock is no timing
+    assert runner.estimate_text("01_hypersphere").endswith("(the project's recorded gpu run)")
+    assert runner.estimate_text("01_hypersphere", runs).endswith("(no full gpu run here to time it)")
+    with pytest.raises(FileNotFoundError, match="_build/runs/02_large_margin/metrics.json or .*chapters-gpu"):
+        runner.estimate_text("02_large_margin")
+    record(recorded, "02_large_margin")
+    assert runner.estimate_text("02_large_margin").startswith(
+        "02_large_margin: the project's recorded gpu run took 5.0 min on NVIDIA H100")
+    record(runs, "02_large_margin", profile="cpu")  # refused by name when it is the only run
+    with pytest.raises(ValueError, match="'cpu' run"):
+        runner.estimate_text("02_large_margin", runs)
+    with pytest.raises(FileNotFoundError, match=r"no chapter '2_large_margin'; chapters: \['01_hypersphere', '02"):
+        runner.estimate_text("2_large_margin")  # a typo, not a chapter without a recipe
+    (recorded / "01_hypersphere" / "metrics.json").write_text(json.dumps(
+        {k: v for k, v in gpu_run(chapter="01_hypersphere").items() if k != "device_name"}))
+    assert runner.estimate_text("01_hypersphere").endswith("took 5.0 min on an unnamed device (the project's "
+                                                           "recorded gpu run)")
+
+
+def test_estimate_reads_the_recorded_gpu_run_of_chapter_1():
+    """The run the repository keeps (benchmarks/results/chapters-gpu) answers where _build/runs has none."""
+    path = runner.repo_root() / runner.RECORDED_GPU_RUNS / "01_hypersphere" / "metrics.json"
+    metrics = json.loads(path.read_text())
+    text = runner.estimate_text("01_hypersphere", runs_dir=path.parents[1])
+    assert text.endswith(f"which took {metrics['elapsed_seconds'] / 60:.1f} min on {metrics['device_name']} "
+                         "(the gpu run)")
+
+
 def test_paper_profile_trains_the_sources_recipe_and_records_it(tmp_path):
     from sphereml.data import sphere_clusters
     from sphereml.models import MLP, Classifier

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Recipe", "PAPER", "recipe_for", "paper_estimate"]
+__all__ = ["Recipe", "PAPER", "recipe_for", "full_gpu_run", "run_seconds", "paper_estimate"]
 
 
 @dataclass(frozen=True)
@@ -155,6 +155,17 @@ def recipe_for(chapter: str, section: str = "cifar") -> Recipe:
     return sections[section]
 
 
+def full_gpu_run(metrics: dict) -> bool:
+    """A run that can time the ``paper`` profile: a ``gpu`` run, not a tiny one, that had the device to itself."""
+    return metrics.get("profile") == "gpu" and not metrics.get("tiny") and not metrics.get("runs_beside")
+
+
+def run_seconds(metrics: dict) -> float:
+    """A run's time: its clock, plus the trainings a resumed run restored from an earlier one."""
+    measured = float(metrics.get("elapsed_seconds", sum(f["seconds"] for f in metrics.get("fits", []))))
+    return measured + metrics.get("restored", {}).get("seconds", 0.0)
+
+
 def paper_estimate(metrics: dict) -> dict:
     """What the ``paper`` profile of a chapter would take, from a measured ``gpu`` run's ``metrics.json``.
 
@@ -188,8 +199,7 @@ def paper_estimate(metrics: dict) -> dict:
         scale = recipe.runs * epochs / max(fit["epochs"], 1)  # the gpu profile trains each row once
         rows.append({"section": fit["recipe"], "epochs": fit["epochs"], "seconds": fit["seconds"],
                      "paper_epochs": epochs, "runs": recipe.runs, "estimated_s": fit["seconds"] * scale})
-    measured = float(metrics.get("elapsed_seconds", sum(f["seconds"] for f in metrics.get("fits", []))))
-    measured += metrics.get("restored", {}).get("seconds", 0.0)  # a resumed run's trainings of an earlier run
+    measured = run_seconds(metrics)
     scaled = sum(r["estimated_s"] - r["seconds"] for r in rows)
-    return {"device_name": metrics.get("device_name"), "measured_s": measured, "estimated_s": measured + scaled,
-            "rows": rows}
+    return {"device_name": metrics.get("device_name", "an unnamed device"), "measured_s": measured,
+            "estimated_s": measured + scaled, "rows": rows}

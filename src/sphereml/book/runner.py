@@ -17,8 +17,9 @@ which the ledger skips), which then holds the executed notebook, the figures and
 non-zero when the chapter fails.  Parameter names are checked against the chapter's ``parameters`` cell and values
 are converted to the type of their default.  ``ledger`` merges the claims of the runs under ``--runs`` (``cpu``,
 ``gpu`` and ``paper`` runs; :mod:`sphereml.book.ledger`) into ``book/claims.json`` and rewrites ``book/claims.md``.
-``estimate`` reads the chapter's measured ``gpu`` run under ``--runs`` and prints how long its ``paper`` profile
-would take on that device (:func:`sphereml.book.recipes.paper_estimate`).
+``estimate`` reads the chapter's measured ``gpu`` run under ``--runs`` (without it, ``_build/runs`` and then the run
+recorded in ``benchmarks/results/chapters-gpu``) and prints how long its ``paper`` profile would take on that device
+(:func:`sphereml.book.recipes.paper_estimate`).
 """
 
 from __future__ import annotations
@@ -168,7 +169,8 @@ def _parse_args(argv):
     estimate.add_argument("name", help="notebook stem, e.g. 02_large_margin")
     estimate.add_argument("-p", "--parameter", nargs=2, action="append", default=[], metavar=("KEY", "VALUE"),
                           help="only 'profile paper' (the default)")
-    estimate.add_argument("--runs", default=None, help="folder of chapter runs (default <repo>/_build/runs)")
+    estimate.add_argument("--runs", default=None, help="folder of chapter runs (default <repo>/_build/runs, then the "
+                          "project's recorded runs in benchmarks/results/chapters-gpu)")
     return parser.parse_args(argv)
 
 
@@ -176,23 +178,52 @@ def _minutes(seconds: float) -> str:
     return f"{seconds / 3600:.1f} h" if seconds >= 5400 else f"{seconds / 60:.1f} min"
 
 
+RECORDED_GPU_RUNS = Path("benchmarks") / "results" / "chapters-gpu"  # the project's measured gpu runs, in the repo
+
+
+def _gpu_run(name: str, runs_dir) -> tuple[dict | None, str]:
+    """(the chapter's gpu run's metrics, what it is): from ``runs_dir`` (default ``<repo>/_build/runs``) or, when no
+    folder was named, the run the project recorded (:data:`RECORDED_GPU_RUNS`), a full gpu run first; (None, where
+    it was looked for) when there is neither."""
+    from .recipes import full_gpu_run
+
+    root = repo_root() or Path.cwd()
+    folder = Path(runs_dir) if runs_dir is not None else root / "_build" / "runs"
+    places = [(folder / name / "metrics.json", "the gpu run")]
+    if runs_dir is None:
+        places.append((root / RECORDED_GPU_RUNS / name / "metrics.json", "the project's recorded gpu run"))
+    found = [(json.loads(path.read_text()), what) for path, what in places if path.is_file()]
+    full = [run for run in found if full_gpu_run(run[0])]
+    return (full or found or [(None, " or ".join(str(path) for path, _ in places))])[0]
+
+
 def estimate_text(name: str, runs_dir=None, current_device: str | None = None) -> str:
     """What ``python -m sphereml.book estimate NAME`` prints: the ``paper`` profile's expected time, scaled from
-    the chapter's ``gpu`` run in ``runs_dir`` (default ``<repo>/_build/runs``).
+    the chapter's ``gpu`` run in ``runs_dir`` (default ``<repo>/_build/runs``, else the run recorded in the
+    repository, :data:`RECORDED_GPU_RUNS`).  A chapter with no source's recipe runs its ``paper`` profile as its
+    ``gpu`` profile, which is said, with the run's time where there is one.
 
     Raises:
-        FileNotFoundError: no run of the chapter there.
+        FileNotFoundError: no such chapter, or no run of it there (for a chapter with a recipe).
         ValueError: the run is not a full gpu run, or it trained nothing with a recipe.
     """
-    from .recipes import paper_estimate, recipe_for
+    from .recipes import PAPER, full_gpu_run, paper_estimate, recipe_for, run_seconds
 
-    runs_dir = Path(runs_dir) if runs_dir is not None else (repo_root() or Path.cwd()) / "_build" / "runs"
-    path = runs_dir / name / "metrics.json"
-    if not path.is_file():
-        raise FileNotFoundError(f"no run of {name} at {path}: run `python -m sphereml.book run {name} -p profile "
+    chapters = sorted(p.stem for p in _notebooks_dir().glob("*.ipynb"))
+    if name not in chapters:
+        raise FileNotFoundError(f"no chapter {name!r}; chapters: {chapters}")
+    metrics, what = _gpu_run(name, runs_dir)
+    if name not in PAPER:
+        same = f"{name} trains nothing with a source's recipe: its paper profile runs as its gpu profile"
+        if metrics is None or not full_gpu_run(metrics):
+            return same + " (no full gpu run here to time it)"
+        device = metrics.get("device_name", "an unnamed device")
+        return same + f", which took {_minutes(run_seconds(metrics))} on {device} ({what})"
+    if metrics is None:
+        raise FileNotFoundError(f"no run of {name} at {what}: run `python -m sphereml.book run {name} -p profile "
                                 f"gpu` on the GPU first")
-    est = paper_estimate(json.loads(path.read_text()))
-    lines = [f"{name}: the gpu run took {_minutes(est['measured_s'])} on {est['device_name']}; its trainings with a "
+    est = paper_estimate(metrics)
+    lines = [f"{name}: {what} took {_minutes(est['measured_s'])} on {est['device_name']}; its trainings with a "
              f"source's recipe, scaled to the source's length:"]
     for row in est["rows"]:
         runs = f" x {row['runs']} runs" if row["runs"] > 1 else ""

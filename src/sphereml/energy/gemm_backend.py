@@ -32,15 +32,13 @@ Note [energy by cuBLAS products]
 
 from __future__ import annotations
 
-import functools
-
 import torch
 from torch import Tensor
 
 from .._checks import integer
 from .._custom_ops import custom_op
 from .kernels import CLOSE_R2
-from .triton_backend import cdiv, power_path
+from .triton_backend import cdiv, lazy_module, next_power_of_2, power_path
 
 __all__ = ["BLOCK_BUDGET", "block_rows", "GemmEnergy", "gemm_energy"]
 
@@ -53,13 +51,7 @@ def block_rows(m: int, budget: int = BLOCK_BUDGET) -> int:
     return max(1, min(m, budget // max(m, 1)))
 
 
-@functools.cache  # one import: through the import machinery each launch paid about 1 µs
-def _kernels():
-    import triton
-
-    from . import _gemm_kernels
-
-    return triton, _gemm_kernels
+_kernels = lazy_module("sphereml.energy._gemm_kernels")
 
 
 @custom_op("sphereml::energy_pair_sums", mutates_args=("gram",))
@@ -67,7 +59,7 @@ def energy_pair_sums(gram: Tensor, q: Tensor, sq: Tensor, start: int, s: float, 
                      with_grad: bool) -> tuple[Tensor, Tensor, Tensor]:
     """(values, dsum: Tensor[b, tiles], flags: Tensor[b / BM, tiles], int32) of the Gram block ``gram`` of rows
     start ... start + b - 1; with ``with_grad`` the far pairs' D written over ``gram`` (``pair_kernel``)."""
-    triton, kernels = _kernels()
+    kernels = _kernels()
     (m, d), b = q.shape, len(gram)
     bm, bn, warps = kernels.PAIR_BLOCKS
     row_tiles, tiles = cdiv(b, bm), cdiv(m, bn)
@@ -83,7 +75,7 @@ def energy_pair_sums(gram: Tensor, q: Tensor, sq: Tensor, start: int, s: float, 
 
 @energy_pair_sums.register_fake
 def _(gram, q, sq, start, s, eps, with_grad):
-    bm, bn, _ = _kernels()[1].PAIR_BLOCKS
+    bm, bn, _ = _kernels().PAIR_BLOCKS
     b, tiles = len(gram), cdiv(len(q), bn)
     return (q.new_empty(b, tiles), q.new_empty(b, tiles if with_grad else 0),
             q.new_empty(cdiv(b, bm), tiles if with_grad else 0, dtype=torch.int32))
@@ -93,11 +85,11 @@ def _(gram, q, sq, start, s, eps, with_grad):
 def energy_close_gradient(rows: Tensor, q: Tensor, sq: Tensor, flags: Tensor, start: int, s: float, eps: float) -> None:
     """Adds the close pairs of the flagged tiles to ``rows``, the gradient of rows start ... start + b - 1
     (``close_gradient_kernel``)."""
-    triton, kernels = _kernels()
+    kernels = _kernels()
     (m, d), b = q.shape, len(rows)
     bm, bn, _ = kernels.PAIR_BLOCKS
     largest, fb, warps = kernels.CLOSE_BLOCKS
-    bdo = min(largest, max(16, triton.next_power_of_2(d)))  # d-slices no wider than d needs
+    bdo = min(largest, max(16, next_power_of_2(d)))  # d-slices no wider than d needs
     kernels.close_gradient_kernel[(cdiv(b, bm), cdiv(d, bdo))](
         q, sq, flags, rows, start, b, m, d, q.stride(0), rows.stride(0), flags.shape[1], s, eps, CLOSE_R2,
         POWER=power_path(s), BM=bm, BN=bn, BDO=bdo, FB=fb, num_warps=warps, num_stages=1)

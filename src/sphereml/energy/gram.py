@@ -29,7 +29,7 @@ from torch._C._functorch import is_functorch_wrapped_tensor
 
 from .._autograd import Function
 from .._custom_ops import custom_op
-from .triton_backend import cdiv, choose_backend, power_path, usable_on
+from .triton_backend import cdiv, choose_backend, lazy_module, power_path, usable_on
 
 __all__ = ["gram_energies", "gram_energies_reference", "CPU_CHUNK", "PAIRS_BACKEND", "pairs_fused"]
 
@@ -144,6 +144,7 @@ def _chunks(gram: Tensor) -> list[slice]:
 
 
 PAIRS_BACKEND = "auto"  # the pair chain: "auto" (the kernels on CUDA with SPHEREML_FUSED=1), "fused", "reference"
+_pair_kernels = lazy_module("sphereml.energy._pair_kernels")
 
 
 def pairs_fused(gram: Tensor, metric: str) -> bool:
@@ -157,8 +158,7 @@ def pairs_fused(gram: Tensor, metric: str) -> bool:
 
 def _pair_launch(gram: Tensor, minus: Tensor, plus: Tensor | None, s: float, eps: float, grad: Tensor | None = None):
     """Run ``energy_kernel`` (``grad`` None: Tensor[B]) or ``gradient_kernel`` (Tensor[B, N, N])."""
-    from . import _pair_kernels as kernels
-
+    kernels = _pair_kernels()
     (count, rows, _), (bm, bn, warps) = gram.shape, kernels.PAIR_BLOCKS
     gram, minus = gram.contiguous(), minus.contiguous()
     plus_or_minus = minus if plus is None else plus.contiguous()

@@ -56,16 +56,19 @@ which is how the test suite checks them against the dense reference.
 from __future__ import annotations
 
 import functools
+import importlib
 import os
+from collections.abc import Callable
+from types import ModuleType
 
 import torch
 from torch import Tensor
 
 from .kernels import CLOSE_R2
 
-__all__ = ["TRITON_DTYPES", "PRECISIONS", "TUNE_CAP", "triton_importable", "cdiv", "interpreting", "usable_on",
-           "launchable", "FUSED_BACKENDS", "choose_backend", "matmul_precision", "power_path", "TritonEnergy",
-           "triton_energy"]
+__all__ = ["TRITON_DTYPES", "PRECISIONS", "TUNE_CAP", "triton_importable", "lazy_module", "next_power_of_2", "cdiv",
+           "interpreting", "usable_on", "launchable", "FUSED_BACKENDS", "choose_backend", "matmul_precision",
+           "power_path", "TritonEnergy", "triton_energy"]
 
 TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 PRECISIONS = {"highest": "ieee", "high": "tf32", "medium": "tf32"}  # torch setting -> tl.dot input_precision
@@ -80,6 +83,17 @@ def triton_importable() -> bool:
     except ImportError:
         return False
     return True
+
+
+def lazy_module(name: str) -> Callable[[], ModuleType]:
+    """A function that returns the module ``name``, imported at its first call: the kernels' modules import Triton,
+    which the CPU paths never need, and through the import machinery each launch paid about 1 µs."""
+    return functools.cache(functools.partial(importlib.import_module, name))
+
+
+def next_power_of_2(n: int) -> int:
+    """The least power of 2 at least ``n`` (0 for 0), in Python's integers, as ``triton.next_power_of_2``."""
+    return 1 << (n - 1).bit_length() if n > 0 else 0
 
 
 def cdiv(n: int, block: int) -> int:
@@ -126,14 +140,12 @@ def matmul_precision() -> str:
     return PRECISIONS[torch.get_float32_matmul_precision()]
 
 
-@functools.cache  # one import: through the import machinery each launch paid about 1 µs
 def _kernels():
-    """Import the kernels on first use (see :mod:`sphereml.energy._triton_kernels`)."""
-    import triton
-
+    """The kernels' module (:mod:`sphereml.energy._triton_kernels`), by a plain import: :class:`TritonEnergy` is an
+    autograd Function that TorchDynamo traces, and it cannot trace the call of a :func:`lazy_module`'s cache."""
     from . import _triton_kernels
 
-    return triton, _triton_kernels
+    return _triton_kernels
 
 
 def power_path(s: float) -> int:
@@ -143,12 +155,12 @@ def power_path(s: float) -> int:
 
 def _launch(kind: str, q: Tensor, sq: Tensor, s: float, eps: float, precision: str) -> Tensor:
     """Run the forward (``kind="forward"``: Tensor[M] of row partial sums) or backward kernel (Tensor[M, d])."""
-    triton, kernels = _kernels()
+    kernels = _kernels()
     m, d = q.shape
     if m > TUNE_CAP and not interpreting() and (kind, d, power_path(s), precision) not in _tuned_on_prefix:
         _launch(kind, q[:TUNE_CAP], sq[:TUNE_CAP], s, eps, precision)  # tunes the key M bucket = TUNE_CAP
         _tuned_on_prefix.add((kind, d, power_path(s), precision))
-    m_key = min(triton.next_power_of_2(m), TUNE_CAP)
+    m_key = min(next_power_of_2(m), TUNE_CAP)
     args = (q, sq)
     scalars = (m, d, q.stride(0), m_key, float(s), float(eps), CLOSE_R2)
     if kind == "forward":

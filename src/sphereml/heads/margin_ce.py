@@ -38,15 +38,13 @@ Only B values change, so the head computes t_b itself (O(B) work), and :func:`ma
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from .._autograd import Function, transformed
 from .._custom_ops import custom_op
-from ..energy.triton_backend import cdiv, choose_backend, launchable, usable_on
+from ..energy.triton_backend import cdiv, choose_backend, launchable, lazy_module, usable_on
 from ..geometry import safe_norm
 
 __all__ = ["WeightNormalizedLinear", "weight_normalized_linear", "margin_cross_entropy", "label_split",
@@ -198,11 +196,7 @@ def _(raw, inv, labels, lse, row_scale, label_grad, has_inv, has_label_grad, sca
     return raw.new_empty(raw.shape), raw.new_empty(raw.shape[1] if has_inv else 0, dtype=_accumulation_dtype(raw))
 
 
-@functools.cache  # one import: through the import machinery each launch paid about 1 µs
-def _kernels():
-    from . import _margin_kernels
-
-    return _margin_kernels
+_kernels = lazy_module("sphereml.heads._margin_kernels")
 
 
 def _triton_norms(weight, eps):

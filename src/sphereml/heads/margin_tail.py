@@ -46,7 +46,7 @@ import torch
 from torch import Tensor
 
 from .._custom_ops import custom_op
-from ..energy.triton_backend import launchable, usable_on
+from ..energy.triton_backend import launchable, lazy_module, usable_on
 from .targets import arcface_psi, multiplicative_branch, psi
 
 __all__ = ["TAIL_KINDS", "SCALE_FLOOR", "anneal_weights", "tail_terms", "margin_tail"]
@@ -55,6 +55,7 @@ TAIL_KINDS = ("plain", "cosface", "arcface", "multiplicative", "detached", "lsof
 SCALE_FLOOR = 1e-12  # the floor on n in the target cosine z / max(n, floor), as in the heads
 _ARC_EPS = 1e-6  # arcface_psi's floor on sin(theta)^2
 _DETACHED_EPS = 1e-7  # the detached margin's clamp of c away from +-1 before arccos
+_margin_kernels = lazy_module("sphereml.heads._margin_kernels")
 
 
 def anneal_weights(lam: float) -> tuple[float, float]:
@@ -147,8 +148,7 @@ def _(rest, raw_y, inv, x_norm, w_norm, labels, kind, m, s, a, b):
 
 
 def _triton_tail(rest, raw_y, inv, x_norm, w_norm, labels, kind, m, s, a, b):
-    from . import _margin_kernels as kernels
-
+    kernels = _margin_kernels()
     bsz = rest.shape[0]
     if bsz == 0:  # no rows: the mean of nothing, as the reference's cross_entropy
         return _reference_tail(rest, raw_y, inv, x_norm, w_norm, labels, kind, m, s, a, b)

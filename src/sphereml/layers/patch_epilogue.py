@@ -21,19 +21,18 @@ They run on CUDA tensors, and on CPU tensors under ``TRITON_INTERPRET=1`` (the t
 
 from __future__ import annotations
 
-import functools
-
 import torch
 from torch import Tensor
 
 from .._custom_ops import custom_op
-from ..energy.triton_backend import cdiv, choose_backend, usable_on
+from ..energy.triton_backend import cdiv, choose_backend, lazy_module, usable_on
 from ._layouts import check_tile_span, densified, position_strides, same_strides
 from .magnitudes import Magnitude
 
 __all__ = ["EPILOGUES", "resolve_backend", "fused_epilogue", "per_channel"]
 
 EPILOGUES = ("cosine", "sharpen", "linear", "sigmoid", "sqcosine")  # the kernels' EPILOGUE numbers, in order
+WITH_PARAMETER = ("sharpen", "sigmoid")  # the epilogues that take a parameter (p, k); the others ignore it
 
 
 def resolve_backend(backend: str, x: Tensor) -> str:
@@ -54,10 +53,7 @@ def _slot(tensor: Tensor | None, number: float | None, placeholder: Tensor, defa
     return (placeholder, default, 0) if number is None else (placeholder, number, 1)
 
 
-@functools.cache  # one import: through the import machinery each launch paid about 1 µs
-def _kernels():
-    from . import _patch_kernels
-    return _patch_kernels
+_kernels = lazy_module("sphereml.layers._patch_kernels")
 
 
 def _launch(kind: str, inner: Tensor, sq: Tensor, q, q_value, a, a_value, mag, h: tuple, epilogue: int,
@@ -70,8 +66,8 @@ def _launch(kind: str, inner: Tensor, sq: Tensor, q, q_value, a, a_value, mag, h
     code, alpha, beta, r, r_value = h
     if code and (mag is not None or q is not None or q_value is not None):
         raise ValueError("the kernels evaluate h (MAGNITUDE) without a magnitude tensor and without q")
-    if a is not None and EPILOGUES[epilogue] not in ("sharpen", "sigmoid"):  # the others have no parameter
-        raise ValueError(f"a parameter tensor needs the epilogue 'sharpen' or 'sigmoid', got {EPILOGUES[epilogue]!r}")
+    if a is not None and EPILOGUES[epilogue] not in WITH_PARAMETER:
+        raise ValueError(f"a parameter tensor needs an epilogue of {WITH_PARAMETER}, got {EPILOGUES[epilogue]!r}")
     q_slot, a_slot = _slot(q, q_value, placeholder, 0.0), _slot(a, a_value, placeholder, 1.0)
     r_slot = _slot(r, r_value, placeholder, 1.0)
     modes = {"Q_MODE": q_slot[2], "EPILOGUE": epilogue, "PARAM": a_slot[2], "HAS_MAG": mag is not None,
@@ -217,7 +213,7 @@ def fused_epilogue(inner: Tensor, sq: Tensor, q: Tensor | float | None, epilogue
                          f"position), got {tuple(magnitude.shape)}")
     r, h = _magnitude_arguments(magnitude if isinstance(magnitude, Magnitude) else None, q, inner.device)
     mag = magnitude if isinstance(magnitude, Tensor) else None
-    if epilogue not in ("sharpen", "sigmoid"):
+    if epilogue not in WITH_PARAMETER:
         param = None
     elif isinstance(param, Tensor):
         param = param.to(inner.device).reshape(-1).expand(inner.shape[1]).contiguous()  # one value per channel

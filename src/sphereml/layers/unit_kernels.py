@@ -19,14 +19,12 @@ Note [unit kernels in one pass]
 
 from __future__ import annotations
 
-import functools
-
 import torch
 from torch import Tensor
 
 from .._autograd import Function
 from .._custom_ops import custom_op
-from ..energy.triton_backend import cdiv
+from ..energy.triton_backend import cdiv, lazy_module
 from ..geometry import safe_norm
 from ._layouts import channels_last
 
@@ -70,10 +68,7 @@ class _UnitKernels(Function):
         return ((g - unit * along) / denominator).view_as(grad), None
 
 
-@functools.cache  # one import: through the import machinery each launch paid about 1 µs
-def _kernels():
-    from . import _unit_kernels
-    return _unit_kernels
+_kernels = lazy_module("sphereml.layers._unit_kernels")
 
 
 @custom_op("sphereml::unit_kernels", mutates_args=())

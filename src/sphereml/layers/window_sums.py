@@ -24,14 +24,12 @@ Note [box sums in a kernel]
 
 from __future__ import annotations
 
-import functools
-
 import torch
 from torch import Tensor
 
 from .._autograd import transformed
 from .._custom_ops import custom_op
-from ..energy.triton_backend import cdiv, usable_on
+from ..energy.triton_backend import cdiv, lazy_module, usable_on
 from ._layouts import channels_last, check_tile_span, dense, position_strides
 
 __all__ = ["takes", "squared_norms_by_window", "add_window_gradient_"]
@@ -54,10 +52,7 @@ def _geometry(kernel_size, stride, padding, dilation) -> tuple[int, ...]:
     return (*kernel_size, *stride, *padding, *dilation)
 
 
-@functools.cache  # one import: through the import machinery each launch paid about 1 µs
-def _kernels():
-    from . import _window_kernels
-    return _window_kernels
+_kernels = lazy_module("sphereml.layers._window_kernels")
 
 
 @custom_op("sphereml::window_sums", mutates_args=())
