@@ -80,6 +80,24 @@ def test_comparison_seeds_follow_the_profile_or_the_readers_count(tmp_path):
             cpu.comparison_seeds(bad)
 
 
+def test_a_chapter_may_pair_more_seeds_in_one_profile(tmp_path):
+    def seeds(profile, **defaults):
+        ch = chapter.Chapter("demo", profile=profile, device="cpu", seed=0, output_dir=str(tmp_path / profile))
+        return ch.comparison_seeds(**defaults), ch.metrics["params"]["num_seeds"]
+
+    assert seeds("cpu", cpu=5) == ([0, 1, 2, 3, 4], 0)  # the chapter's default: recorded as the default
+    assert seeds("gpu", cpu=5) == ([0, 1, 2], 0)
+    assert seeds("smoke", cpu=5, gpu=4) == ([0, 1], 0)
+    assert seeds("paper", gpu=4) == ([0, 1, 2, 3], 0)
+    cpu = chapter.Chapter("demo", profile="cpu", device="cpu", seed=0, output_dir=str(tmp_path / "c"))
+    assert cpu.comparison_seeds(3, cpu=5) == [0, 1, 2] and cpu.metrics["params"]["num_seeds"] == 3  # a reader's
+    for bad in (1, 0, 2.0, True):
+        with pytest.raises(ValueError, match="cpu must be an integer >= 2"):
+            cpu.comparison_seeds(cpu=bad)
+        with pytest.raises(ValueError, match="gpu must be an integer >= 2"):
+            cpu.comparison_seeds(gpu=bad)
+
+
 def test_say_wraps_a_sentence_to_the_column_width(capsys):
     chapter.Chapter.say("abcdefghi " * 20)  # ten characters a word: 9 words (89 characters) on a line of 96
     lines = capsys.readouterr().out.splitlines()

@@ -165,3 +165,34 @@ def test_the_page_names_the_cpu_kernels_a_run_was_recorded_with(tmp_path):
     page = ledger.render(snapshot)
     assert "`cpu` on cpu (AVX512), torch 2.x" in page
     assert "`cpu` on cpu, torch 2.x" in page
+
+
+def test_the_page_names_the_processor_a_run_was_recorded_on(tmp_path):
+    """Two processors with the same vector kernels round differently too (chapter 9's CNN, 2026-12-07): the page
+    names the processor where the run recorded it."""
+    runs = [_metrics(tmp_path, "01_a", "cpu", [_claim("a")], cpu_capability="AVX512", cpu_model="AMD EPYC"),
+            _metrics(tmp_path, "02_b", "cpu", [_claim("b")], cpu_model="AMD EPYC"),
+            _metrics(tmp_path, "03_c", "gpu", [_claim("c")], device_name="NVIDIA H100", cpu_model="AMD EPYC")]
+    snapshot = ledger.collect(runs)
+    assert snapshot["chapters"]["01_a"]["cpu"]["cpu_model"] == "AMD EPYC"
+    page = ledger.render(snapshot)
+    assert "`cpu` on cpu (AMD EPYC, AVX512), torch 2.x" in page
+    assert "`cpu` on cpu (AMD EPYC), torch 2.x" in page
+    assert "`gpu` on NVIDIA H100, torch 2.x" in page  # a GPU run is named by its GPU
+
+
+def test_a_chapter_run_records_the_processor(tmp_path, monkeypatch):
+    """The processor's name from /proc/cpuinfo, None where there is none (the ledger then names the kernels only)."""
+    from sphereml import timing
+    from sphereml.book.chapter import Chapter
+
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nmodel name\t: AMD EPYC\nflags\t\t: fpu\n\n"
+                       "processor\t: 1\nmodel name\t: AMD EPYC\n")
+    real_path = timing.Path
+    monkeypatch.setattr(timing, "Path", lambda p: cpuinfo if p == "/proc/cpuinfo" else real_path(p))
+    assert timing.cpu_model() == "AMD EPYC"
+    ch = Chapter("demo", profile="smoke", device="cpu", seed=0, output_dir=str(tmp_path / "run"))
+    assert ch.metrics["cpu_model"] == "AMD EPYC"
+    monkeypatch.setattr(timing, "Path", lambda p: tmp_path / "absent" if p == "/proc/cpuinfo" else real_path(p))
+    assert timing.cpu_model() is None

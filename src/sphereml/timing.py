@@ -34,8 +34,9 @@ import torch
 from . import _io
 from ._checks import integer
 
-__all__ = ["device_name", "environment", "synchronizer", "median_seconds", "Comparison", "compare", "repeated_ratios",
-           "PeakMemory", "peak_memory", "forward_backward", "training_step", "save_result", "describe_saved"]
+__all__ = ["device_name", "cpu_model", "environment", "synchronizer", "median_seconds", "Comparison", "compare",
+           "repeated_ratios", "PeakMemory", "peak_memory", "forward_backward", "training_step", "save_result",
+           "describe_saved"]
 
 
 def device_name(device: torch.device | str) -> str:
@@ -44,6 +45,17 @@ def device_name(device: torch.device | str) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     return f"{platform.processor() or platform.machine()} ({torch.get_num_threads()} threads)"
+
+
+def cpu_model() -> str | None:
+    """The processor's name as the kernel reports it (``"AMD EPYC"``, ``"Intel(R) Xeon(R) CPU @ 2.80GHz"``), or
+    None where ``/proc/cpuinfo`` is absent: two CPUs with the same vector kernels may still round differently."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return None
+    names = [line.partition(":")[2].strip() for line in lines if line.startswith("model name")]
+    return names[0] if names and names[0] else None
 
 
 def environment(device: torch.device | str) -> dict:

@@ -43,6 +43,7 @@ from . import recipes, viz
 from .._checks import integer
 from ..multiseed import batches_seeds, can_train_together, fit_seeds
 from ..recalibration import has_running_stats, recalibrate, stats_fresh
+from ..timing import cpu_model
 from ..train import collect_outputs, evaluate, fit, resolve_device, seed_everything
 from .report import ClaimCard, VerdictTable, show
 from .resume import TrainingCache
@@ -139,6 +140,7 @@ class Chapter:
             "torch": torch.__version__, "seed": self.seed, "params": dict(params or {}),
             "threads": torch.get_num_threads(),
             "cpu_capability": torch.backends.cpu.get_cpu_capability(),  # the vector kernels torch chose (AVX2, AVX512)
+            "cpu_model": cpu_model(),  # the processor: CPUs with the same kernels may round differently
             "claims": [], "tiny": self.tiny, "fits": [], "elapsed_seconds": 0.0,
             "seeds_together": self.seeds_together,
             "backends": configure_backends(self.profile, self.device),
@@ -171,17 +173,18 @@ class Chapter:
             return by_profile["gpu"]
         return by_profile[self.scale]
 
-    def comparison_seeds(self, count: int = 0) -> list[int]:
+    def comparison_seeds(self, count: int = 0, *, cpu: int = 3, gpu: int = 3) -> list[int]:
         """The seeds every trained comparison of the chapter pairs: ``count`` consecutive seeds from the chapter's
         ``seed``, or the profile's number when ``count`` is 0 — two in ``smoke`` (and a tiny run), enough to
-        exercise the pairing, three in the others.  More seeds narrow a verdict's noise: its seed term is the 95 %
+        exercise the pairing, and ``cpu`` or ``gpu`` in those profiles (three unless the chapter asks for more; the
+        ``paper`` profile takes ``gpu``'s).  More seeds narrow a verdict's noise: its seed term is the 95 %
         half-width of the mean paired difference, 2.48 times the differences' s.d. with three seeds and 1.24
         times with five (:func:`~sphereml.book.verdicts.compare_over_seeds`)."""
         count = integer("num_seeds", count, at_least=0)
         if count == 1:
             raise ValueError("num_seeds must be 0 (the profile's number) or at least 2: one seed has no spread to "
                              "pair")
-        default = self.pick(smoke=2, cpu=3, gpu=3)
+        default = self.pick(smoke=2, cpu=integer("cpu", cpu, at_least=2), gpu=integer("gpu", gpu, at_least=2))
         self.metrics["params"]["num_seeds"] = 0 if count == default else count  # a setting of the run (0: default)
         return list(range(self.seed, self.seed + (count or default)))
 

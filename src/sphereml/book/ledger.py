@@ -29,9 +29,9 @@ from .verdicts import VERDICTS
 __all__ = ["LABELS", "collect", "custom_settings", "render", "load_snapshot"]
 
 LABELS = {name: name for name in VERDICTS.values()}  # the page uses the verdicts' own words
-# what the page says about the run behind each column; the CPU's vector kernels (AVX2, AVX512) round
-# differently, so a cpu run on another machine may train to other numbers
-RUN_FIELDS = ("device_name", "torch", "threads", "cpu_capability")
+# what the page says about the run behind each column; CPUs with other vector kernels (AVX2, AVX512), or other
+# processors with the same kernels, round differently, so a cpu run on another machine may train to other numbers
+RUN_FIELDS = ("device_name", "torch", "threads", "cpu_capability", "cpu_model")
 
 
 def load_snapshot(path: str | os.PathLike) -> dict:
@@ -62,8 +62,8 @@ def collect(metrics_paths, snapshot: dict | None = None, profiles: tuple[str, ..
         skipped (list, optional): receives ``(path, settings)`` for each run skipped for its custom settings.
 
     Returns:
-        ``{"chapters": {name: {profile: {"device_name", "torch", "threads", "cpu_capability", "claims": [...]}}}}``
-        (``cpu_capability`` None for runs recorded before it was).
+        ``{"chapters": {name: {profile: {"device_name", "torch", "threads", "cpu_capability", "cpu_model",
+        "claims": [...]}}}}`` (``cpu_capability`` and ``cpu_model`` None for runs recorded before they were).
     """
     snapshot = {"chapters": {}} if snapshot is None else json.loads(json.dumps(snapshot))
     for path in metrics_paths:
@@ -138,9 +138,12 @@ def _runs(snapshot: dict) -> list[str]:
 
 
 def _device(run: dict) -> str:
-    """The run's device, with the CPU's vector kernels where they were recorded (``cpu (AVX512)``)."""
-    capability = run.get("cpu_capability")
-    return f"{run['device_name']} ({capability})" if capability and run["device_name"] == "cpu" else run["device_name"]
+    """The run's device, with the CPU's name and vector kernels where they were recorded (``cpu (AMD EPYC,
+    AVX512)``, ``cpu (AVX512)``)."""
+    if run["device_name"] != "cpu":
+        return run["device_name"]
+    details = ", ".join(d for d in (run.get("cpu_model"), run.get("cpu_capability")) if d)
+    return f"cpu ({details})" if details else "cpu"
 
 
 def render(snapshot: dict) -> str:
