@@ -62,8 +62,9 @@ def collect(metrics_paths, snapshot: dict | None = None, profiles: tuple[str, ..
         skipped (list, optional): receives ``(path, settings)`` for each run skipped for its custom settings.
 
     Returns:
-        ``{"chapters": {name: {profile: {"device_name", "torch", "threads", "cpu_capability", "cpu_model",
-        "claims": [...]}}}}`` (``cpu_capability`` and ``cpu_model`` None for runs recorded before they were).
+        ``{"chapters": {name: {profile: run}}}``, each run a dict of the ``RUN_FIELDS`` (``device_name``,
+        ``torch``, ``threads``, ``cpu_capability``, ``cpu_model``: the last two None for runs recorded before they
+        were) and ``"claims": [...]``.
     """
     snapshot = {"chapters": {}} if snapshot is None else json.loads(json.dumps(snapshot))
     for path in metrics_paths:
